@@ -1,0 +1,309 @@
+"""Run configuration: one dataclass per concern, composed into RootConfig (layer L0).
+
+Only the standard library is imported here, so `megagenome --help` and config validation run
+before torch or deepspeed are loaded. The docstring under each field is the `--help` text
+(jsonargparse reads attribute docstrings).
+
+Ownership rule (see DESIGN.md): batch sizes, learning rate, schedule and clipping live here; engine
+knobs (ZeRO stage, precision, buckets) live in the DeepSpeed JSON named by `train.ds_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+# A region as samtools writes it: contig:start-end, 1-based, both ends included.
+_REGION = re.compile(r"^(?P<contig>\S+):(?P<start>[0-9][0-9,]*)-(?P<end>[0-9][0-9,]*)$")
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape and objective."""
+
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Number of attention heads; must divide d_model."""
+    d_ff: Optional[int] = None
+    """Hidden width of the SwiGLU MLP; default 8/3 * d_model rounded up to a multiple of 64."""
+    max_seq_len: int = 1024
+    """Longest sequence the model accepts (rotary tables are built for this length)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    dropout: float = 0.0
+    """Dropout probability on attention weights and residual branches."""
+    tie_embeddings: bool = True
+    """Share the token embedding matrix with the output head."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    objective: Literal["clm", "mlm"] = "clm"
+    """clm: causal next-base prediction; mlm: bidirectional masked-base prediction (BERT-style)."""
+    attention: Literal["auto", "sdpa", "flash"] = "auto"
+    """Attention kernel: auto picks flash-attn on a CUDA device when it is installed, else PyTorch SDPA."""
+
+
+@dataclass
+class DataConfig:
+    """Genome, held-out split, windows and augmentation."""
+
+    fasta: str = ""
+    """FASTA file (plain or BGZF-compressed) to train on."""
+    seq_len: int = 512
+    """Tokens per training window (one base per token)."""
+    val_contigs: list[str] = field(default_factory=list)
+    """Whole contigs held out for evaluation (use when the genome has several contigs)."""
+    val_ranges: list[str] = field(default_factory=list)
+    """Regions held out for evaluation, as contig:start-end (1-based, inclusive)."""
+    test_contigs: list[str] = field(default_factory=list)
+    """Whole contigs held out as a test split (never trained or evaluated on during training)."""
+    test_ranges: list[str] = field(default_factory=list)
+    """Regions held out as a test split, as contig:start-end (1-based, inclusive)."""
+    max_n_run: int = 50
+    """Runs of N longer than this are cut out of the training and evaluation intervals."""
+    rc_prob: float = 0.5
+    """Probability of training on the reverse complement of a window."""
+    softmask_weight: float = 1.0
+    """Loss weight of soft-masked (lowercase) bases in training; 1 treats them like any base."""
+    eval_softmask_weight: float = 1.0
+    """Loss weight of soft-masked bases when evaluating (0 scores only unmasked sequence)."""
+    mlm_probability: float = 0.15
+    """Fraction of bases selected for prediction with the mlm objective (80% mask, 10% random, 10% kept)."""
+    eval_windows: int = 64
+    """Held-out windows scored at every evaluation, spread evenly over the held-out split."""
+    seed: int = 1234
+    """Seed of window sampling, reverse complement and masking."""
+
+
+@dataclass
+class TrainConfig:
+    """Batch arithmetic, optimisation schedule and the DeepSpeed engine JSON."""
+
+    ds_config: str = "ds_configs/zero1_bf16.json"
+    """DeepSpeed JSON with the engine knobs (ZeRO, precision, ...). Batch, optimizer and scheduler keys belong here, not there."""
+    micro_batch_size: int = 8
+    """Windows per rank per forward/backward pass."""
+    grad_accum_steps: int = 1
+    """Micro batches accumulated before each optimizer step."""
+    global_batch_size: Optional[int] = None
+    """Windows per optimizer step over all ranks; must equal micro_batch_size * grad_accum_steps * data-parallel size (computed when unset)."""
+    max_steps: int = 1000
+    """Optimizer steps to train for (the learning-rate schedule spans exactly these)."""
+    stop_at: Optional[int] = None
+    """End this invocation after this step with a checkpoint, keeping the schedule of --train.max_steps; continue later with --checkpoint.resume auto (for time-limited jobs)."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to norms or biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    torch_adam: Optional[bool] = None
+    """Use torch's AdamW instead of DeepSpeed's fused Adam; default: torch on CPU (no compiler needed), fused on GPU."""
+    eval_interval: int = 100
+    """Evaluate on the held-out split every this many steps (0: only at the end)."""
+    log_interval: int = 10
+    """Write a metrics row every this many steps."""
+    seed: int = 1234
+    """Seed of weight initialisation and dropout."""
+    num_threads: Optional[int] = None
+    """Torch CPU threads per rank; default: CPU cores divided by ranks on this node."""
+
+
+@dataclass
+class CheckpointConfig:
+    """When to save and how to resume."""
+
+    interval: int = 0
+    """Save a checkpoint every this many steps (0: only at the end of training)."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in the run directory, if any; none: start fresh (refused if the run directory already has checkpoints); or a checkpoint directory to load."""
+    keep_last: int = 2
+    """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
+
+
+@dataclass
+class LogConfig:
+    """Where the run writes and what it shows."""
+
+    run_dir: str = "runs/default"
+    """Run directory: config.yaml, ds_config.json, env.json, metrics.jsonl, checkpoints/."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class RootConfig:
+    """Everything a pretraining run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape and objective."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Genome, split and sampling."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batches, optimizer and engine JSON."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence and resume."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Run directory and console output."""
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, each naming the flag (and file, line where known)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} configuration problem(s):\n{lines}")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A half-open, 0-based interval on one contig."""
+
+    contig: str
+    start: int
+    end: int
+
+
+def parse_region(text: str) -> Region:
+    """Parse `contig:start-end` (1-based, inclusive, commas allowed) into a 0-based half-open Region."""
+    m = _REGION.match(text.strip())
+    if not m:
+        raise ValueError(f"{text!r} is not a region of the form contig:start-end (1-based, inclusive)")
+    start, end = int(m["start"].replace(",", "")), int(m["end"].replace(",", ""))
+    if start < 1 or end < start:
+        raise ValueError(f"{text!r}: need 1 <= start <= end")
+    return Region(m["contig"], start - 1, end)
+
+
+def batch_sizes(train: TrainConfig, dp_size: int) -> tuple[int, int, int]:
+    """(micro, accumulation, global): the one place where the batch identity is computed."""
+    return train.micro_batch_size, train.grad_accum_steps, train.micro_batch_size * train.grad_accum_steps * dp_size
+
+
+def d_ff(model: ModelConfig) -> int:
+    """Hidden width of the SwiGLU MLP (the LLaMA rule: 2/3 of 4*d, rounded up to 64)."""
+    if model.d_ff is not None:
+        return model.d_ff
+    hidden = int(8 * model.d_model / 3)
+    return 64 * ((hidden + 63) // 64)
+
+
+def validate(cfg: RootConfig, dp_size: int) -> list[str]:
+    """Every static problem with the config, as messages naming the flag. Empty when valid."""
+    m, d, t, c = cfg.model, cfg.data, cfg.train, cfg.checkpoint
+    problems: list[str] = []
+
+    def positive(flag: str, value) -> None:
+        if value is None or value <= 0:
+            problems.append(f"--{flag}={value}: must be positive")
+
+    for flag, value in [
+        ("model.d_model", m.d_model), ("model.n_layer", m.n_layer), ("model.n_head", m.n_head),
+        ("model.max_seq_len", m.max_seq_len), ("data.seq_len", d.seq_len),
+        ("data.eval_windows", d.eval_windows), ("train.micro_batch_size", t.micro_batch_size),
+        ("train.grad_accum_steps", t.grad_accum_steps), ("train.max_steps", t.max_steps),
+        ("train.lr", t.lr), ("train.log_interval", t.log_interval), ("checkpoint.keep_last", c.keep_last),
+    ]:
+        positive(flag, value)
+    if m.d_model > 0 and m.n_head > 0:
+        if m.d_model % m.n_head:
+            problems.append(f"--model.d_model={m.d_model} is not divisible by --model.n_head={m.n_head}")
+        elif (m.d_model // m.n_head) % 2:
+            problems.append(f"head size --model.d_model/--model.n_head={m.d_model // m.n_head} must be even for rotary embeddings")
+    if m.d_ff is not None and m.d_ff <= 0:
+        problems.append(f"--model.d_ff={m.d_ff}: must be positive")
+    if d.seq_len > m.max_seq_len:
+        problems.append(f"--data.seq_len={d.seq_len} is above the model's maximum --model.max_seq_len={m.max_seq_len}")
+    for flag, value in [("model.dropout", m.dropout), ("data.rc_prob", d.rc_prob), ("data.mlm_probability", d.mlm_probability)]:
+        if not 0.0 <= value <= 1.0:
+            problems.append(f"--{flag}={value}: must be within [0, 1]")
+    if m.objective == "mlm" and not 0.0 < d.mlm_probability <= 1.0:
+        problems.append(f"--data.mlm_probability={d.mlm_probability}: the mlm objective needs a positive masking rate")
+    for flag, value in [("data.softmask_weight", d.softmask_weight), ("data.eval_softmask_weight", d.eval_softmask_weight)]:
+        if value < 0:
+            problems.append(f"--{flag}={value}: must be non-negative")
+    if d.max_n_run < 0:
+        problems.append(f"--data.max_n_run={d.max_n_run}: must be non-negative")
+    if not d.fasta:
+        problems.append("--data.fasta is required: the FASTA file to train on")
+    for flag, ranges in [("data.val_ranges", d.val_ranges), ("data.test_ranges", d.test_ranges)]:
+        for r in ranges:
+            try:
+                parse_region(r)
+            except ValueError as e:
+                problems.append(f"--{flag}: {e}")
+    if not (d.val_contigs or d.val_ranges):
+        problems.append("--data.val_contigs or --data.val_ranges must name the held-out data used for evaluation")
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        problems.append(f"--train.min_lr={t.min_lr}: must be within [0, --train.lr={t.lr}]")
+    if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
+        problems.append(f"--train.warmup_steps={t.warmup_steps}: must be within [0, --train.max_steps={t.max_steps}]")
+    if t.grad_clip < 0:
+        problems.append(f"--train.grad_clip={t.grad_clip}: must be non-negative (0 disables clipping)")
+    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+        problems.append(f"--train.beta1={t.beta1} and --train.beta2={t.beta2} must be within [0, 1)")
+    if t.eval_interval < 0 or c.interval < 0:
+        problems.append("--train.eval_interval and --checkpoint.interval must be non-negative (0: only at the end)")
+    if t.stop_at is not None and not 0 < t.stop_at <= t.max_steps:
+        problems.append(f"--train.stop_at={t.stop_at}: must be within [1, --train.max_steps={t.max_steps}]")
+    if t.num_threads is not None and t.num_threads <= 0:
+        problems.append(f"--train.num_threads={t.num_threads}: must be positive")
+    micro, accum, global_batch = batch_sizes(t, dp_size)
+    if t.global_batch_size is not None and t.micro_batch_size > 0 and t.grad_accum_steps > 0 and t.global_batch_size != global_batch:
+        problems.append(
+            f"--train.global_batch_size={t.global_batch_size} is not --train.micro_batch_size={micro} x "
+            f"--train.grad_accum_steps={accum} x data-parallel size {dp_size} = {global_batch}"
+        )
+    return problems
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict of a config dataclass (what config.yaml holds)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_hash(cfg: RootConfig) -> str:
+    """SHA-256 of what a checkpoint depends on: model shape and data definition."""
+    payload = json.dumps({"model": to_dict(cfg.model), "data": to_dict(cfg.data)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def yaml_line(path: str, dotted_key: str) -> Optional[int]:
+    """1-based line of `dotted_key` in a block-style YAML file, or None; used to point errors at a line."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    stack: list[tuple[int, str]] = []
+    for number, line in enumerate(lines, start=1):
+        stripped = line.split("#", 1)[0].rstrip()
+        m = re.match(r"^(\s*)([A-Za-z_][\w-]*)\s*:", stripped)
+        if not m:
+            continue
+        indent = len(m.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, m.group(2)))
+        if ".".join(k for _, k in stack) == dotted_key:
+            return number
+    return None

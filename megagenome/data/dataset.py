@@ -1,0 +1,187 @@
+"""GenomeData: one genome's split, samplers and batches for the clm and mlm objectives.
+
+`build_genome_data` opens the FASTA, finds the N-free stretches of every contig (one pass), builds the
+train/val/test split inside them, and sets up the training sampler and the fixed evaluation windows.
+Batches are computed from global sample indices alone: the randomness of each sample (reverse complement,
+masking) is drawn from np.random.default_rng([seed, purpose, index]), so a sample is the same on any rank,
+in any process and after any resume.
+
+Batch dict (T = cfg.seq_len):
+    input_ids    (B, T) int64    token ids fed to the model
+    labels       (B, T) int64    target token per position (clm: the next base; mlm: the original base)
+    loss_weight  (B, T) float32  per-position loss weight: 0 for N targets and unselected mlm positions,
+                                 the soft-mask weight for lowercase targets, 1 otherwise
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from megagenome.config import DataConfig, Region
+from megagenome.data.fasta import Genome
+from megagenome.data.intervals import build_split, n_free_intervals, restrict, split_record, total_bases
+from megagenome.data.sampler import WindowSampler, eval_windows
+from megagenome.data.tokenizer import A_ID, MASK_ID, N_ID, PAD_ID, T_ID, encode, reverse_complement
+
+OBJECTIVES = ("clm", "mlm")
+# Second word of every per-sample rng seed (see sampler.RNG_WINDOWS, which is 0).
+RNG_RC, RNG_MASK, RNG_EVAL_MASK = 1, 2, 3
+# BERT's split of the selected positions: 80% become <mask>, 10% a random base, 10% stay unchanged.
+MASK_FRACTION, RANDOM_FRACTION = 0.8, 0.1
+
+
+class GenomeData:
+    """Split, samplers and batch construction over one Genome; see the module docstring."""
+
+    def __init__(self, cfg: DataConfig, objective: str, genome: Genome, n_free: dict[str, np.ndarray]):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r} (--model.objective)")
+        self.cfg = cfg
+        self.objective = objective
+        self.genome = genome
+        self.n_free = n_free
+        # clm predicts base t+1 from bases <= t, so a window of T inputs needs T + 1 bases.
+        self.window_len = cfg.seq_len + 1 if objective == "clm" else cfg.seq_len
+        declared = build_split(genome.lengths, cfg.val_contigs, cfg.val_ranges, cfg.test_contigs, cfg.test_ranges)
+        self.declared_split = declared
+        self.split: dict[str, list[Region]] = {name: restrict(regions, n_free) for name, regions in declared.items()}
+        self.train_sampler = WindowSampler(self.split["train"], self.window_len, cfg.seed)
+        self.eval_regions = eval_windows(self.split["val"], self.window_len, cfg.eval_windows)
+        if declared["val"] and not self.eval_regions:
+            raise ValueError(
+                f"the held-out split (--data.val_contigs/--data.val_ranges, {total_bases(self.split['val'])} N-free "
+                f"bases) has no stretch of {self.window_len} bases without a run of more than "
+                f"{cfg.max_n_run} N; hold out more or lower --data.seq_len"
+            )
+        self._contig_index = {name: i for i, name in enumerate(genome.lengths)}
+
+    # ----- records and raw tokens -------------------------------------------------------------------------
+
+    def split_record(self) -> dict:
+        """JSON-able split.json content: N-free regions per split, the declared split and sampling facts."""
+        record = split_record(
+            self.split,
+            fasta=self.genome.path,
+            contig_lengths=dict(self.genome.lengths),
+            max_n_run=self.cfg.max_n_run,
+            window_len=self.window_len,
+            declared_bases={name: total_bases(regions) for name, regions in self.declared_split.items()},
+        )
+        s = self.train_sampler
+        record["train_sampler"] = {
+            "windows_per_epoch": s.num_windows,
+            "dropped_regions": s.dropped_regions,
+            "dropped_bases": s.dropped_bases,
+            "slack_bases_per_epoch": s.slack_bases,
+        }
+        record["eval_windows"] = len(self.eval_regions)
+        return record
+
+    def _tokens(self, region: Region) -> tuple[np.ndarray, np.ndarray]:
+        return encode(self.genome.fetch(region.contig, region.start, region.end))
+
+    def train_tokens(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(tokens, soft-mask) of every N-free training region, e.g. to fit Markov baselines."""
+        return [self._tokens(r) for r in self.split["train"]]
+
+    def heldout_tokens(self, split: str = "val") -> list[tuple[np.ndarray, np.ndarray]]:
+        """(tokens, soft-mask) of every N-free region of a held-out split ("val" or "test")."""
+        if split not in ("val", "test"):
+            raise ValueError(f"held-out split must be 'val' or 'test', got {split!r}")
+        return [self._tokens(r) for r in self.split[split]]
+
+    # ----- batches --------------------------------------------------------------------------------------------
+
+    def train_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """Training batch of the given global sample indices: reverse complement with prob rc_prob."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        samples = []
+        for index, region in zip(indices.tolist(), self.train_sampler.windows(indices)):
+            tokens, soft = self._tokens(region)
+            if np.random.default_rng([self.cfg.seed, RNG_RC, index]).random() < self.cfg.rc_prob:
+                tokens, soft = reverse_complement(tokens), soft[::-1]
+            rng = np.random.default_rng([self.cfg.seed, RNG_MASK, index])
+            samples.append(self._sample(tokens, soft, self.cfg.softmask_weight, rng))
+        return _collate(samples)
+
+    def eval_batch(self, regions: Sequence[Region]) -> dict[str, torch.Tensor]:
+        """Evaluation batch of held-out windows (e.g. a slice of `eval_regions`): no reverse complement, and
+        mlm masking seeded by the window's position so that every evaluation scores the same positions."""
+        samples = []
+        for region in regions:
+            if region.end - region.start != self.window_len:
+                raise ValueError(f"eval window {region} is not {self.window_len} bases long")
+            tokens, soft = self._tokens(region)
+            seed = [self.cfg.seed, RNG_EVAL_MASK, self._contig_index[region.contig], region.start]
+            samples.append(self._sample(tokens, soft, self.cfg.eval_softmask_weight, np.random.default_rng(seed)))
+        return _collate(samples)
+
+    def _sample(
+        self, tokens: np.ndarray, soft: np.ndarray, softmask_weight: float, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids, labels, loss_weight) of one window of `window_len` tokens."""
+        weight = np.where(soft, np.float32(softmask_weight), np.float32(1.0)).astype(np.float32)  # (W,)
+        weight[tokens == N_ID] = 0.0  # an N target carries no information to learn
+        if self.objective == "clm":
+            return tokens[:-1], tokens[1:], weight[1:]  # (T,) each: predict base t+1 from bases <= t
+        return _mask(tokens, weight, self.cfg.mlm_probability, rng)
+
+    def close(self) -> None:
+        self.genome.close()
+
+    def __enter__(self) -> GenomeData:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _mask(
+    tokens: np.ndarray, weight: np.ndarray, probability: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """BERT-style masking of one window: select non-N positions with `probability` (at least one when any
+    exists), then replace 80% of them with <mask>, 10% with a random base and keep 10%."""
+    n = tokens.size
+    eligible = tokens != N_ID
+    chosen = eligible & (rng.random(n) < probability)
+    if not chosen.any() and eligible.any():
+        # A window with no target would contribute nothing but still cost a forward pass.
+        chosen[rng.choice(np.flatnonzero(eligible))] = True
+    action = rng.random(n)
+    random_bases = rng.integers(A_ID, T_ID + 1, size=n, dtype=np.int64)
+    inputs = tokens.astype(np.int64)
+    inputs[chosen & (action < MASK_FRACTION)] = MASK_ID
+    swap = chosen & (action >= MASK_FRACTION) & (action < MASK_FRACTION + RANDOM_FRACTION)
+    inputs[swap] = random_bases[swap]
+    labels = np.where(chosen, tokens, PAD_ID)
+    return inputs, labels, np.where(chosen, weight, np.float32(0.0)).astype(np.float32)
+
+
+def _collate(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+    if not samples:
+        raise ValueError("a batch needs at least one sample")
+    inputs, labels, weights = zip(*samples)
+    return {
+        "input_ids": torch.from_numpy(np.stack(inputs).astype(np.int64)),  # (B, T)
+        "labels": torch.from_numpy(np.stack(labels).astype(np.int64)),  # (B, T)
+        "loss_weight": torch.from_numpy(np.stack(weights).astype(np.float32)),  # (B, T)
+    }
+
+
+def build_genome_data(cfg: DataConfig, objective: str) -> GenomeData:
+    """Open cfg.fasta, find N-free intervals (each contig read once), and build the split and samplers."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r} (--model.objective)")
+    genome = Genome(cfg.fasta)
+    try:
+        n_free = {}
+        for contig in genome.lengths:
+            tokens, _ = encode(genome.read_contig(contig))
+            n_free[contig] = n_free_intervals(tokens, cfg.max_n_run)
+        return GenomeData(cfg, objective, genome, n_free)
+    except BaseException:
+        genome.close()
+        raise

@@ -1,0 +1,275 @@
+"""FASTA access: a strict one-pass validator and `Genome`, random access by contig and 0-based coordinates.
+
+This is the only module that imports pyfaidx (DESIGN.md: one seam per heavy dependency). pyfaidx's own
+errors are terse and some bad inputs (Windows line endings, stray characters) are not errors to it at all
+but silently corrupt coordinates or tokens later, so `validate_fasta` reads the whole file once first and
+fails with the file, line and column of the first problem.
+
+Plain and BGZF-compressed files are accepted. Plain gzip is refused: pyfaidx needs to seek to arbitrary
+offsets, which only BGZF's independent blocks allow.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import re
+import tempfile
+import zlib
+from typing import IO
+
+import pyfaidx
+
+from megagenome.data.tokenizer import ALLOWED
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_COMPRESSED_SUFFIXES = (".gz", ".bgz")
+_ALLOWED_IN_LINE = ALLOWED + b"\n"
+_BAD_CHAR = re.compile(b"[^" + re.escape(ALLOWED) + b"\n]")
+
+
+class FastaError(ValueError):
+    """A FASTA file that cannot be used; the message names the file and, where it applies, line and column."""
+
+
+def _compression(path: str) -> str:
+    """'bgzf', 'gzip' (plain, not seekable) or 'none', from the first gzip member's header.
+
+    BGZF is gzip whose header carries an extra subfield with the id 'BC' (SAM/BAM spec, section 4.1).
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(18)
+    if head[:2] != _GZIP_MAGIC:
+        return "none"
+    flags = head[3] if len(head) > 3 else 0
+    has_extra = bool(flags & 0x04)
+    if has_extra and len(head) >= 18 and head[12:14] == b"BC":
+        return "bgzf"
+    return "gzip"
+
+
+def _open_text(path: str, compression: str) -> IO[bytes]:
+    # BGZF is a series of gzip members, which the gzip module reads as one stream.
+    return gzip.open(path, "rb") if compression == "bgzf" else open(path, "rb")
+
+
+def validate_fasta(path: str) -> None:
+    """Raise FastaError for the first problem in the file; return None for a FASTA that pyfaidx reads correctly.
+
+    Checked in one streaming pass: existence, emptiness, plain gzip, CRLF line endings, a header before any
+    sequence, non-empty unique record names, no empty records, only IUPAC nucleotide characters, and the
+    faidx layout (every line of a record but the last has the same length; at most one blank line, only at
+    the end of a record).
+    """
+    if not os.path.exists(path):
+        raise FastaError(f"{path}: FASTA file not found")
+    if os.path.isdir(path):
+        raise FastaError(f"{path}: is a directory, not a FASTA file")
+    if os.path.getsize(path) == 0:
+        raise FastaError(f"{path}: file is empty")
+    compression = _compression(path)
+    if compression == "gzip":
+        raise FastaError(
+            f"{path}: plain gzip cannot be read at random offsets; recompress with `bgzip` (htslib) "
+            f"or decompress with `gunzip`"
+        )
+    # pyfaidx picks its reader from the file name, not the content, so the two must agree.
+    compressed_name = path.lower().endswith(_COMPRESSED_SUFFIXES)
+    if compression == "bgzf" and not compressed_name:
+        raise FastaError(f"{path}: file is BGZF-compressed but its name does not end in .gz or .bgz; rename it")
+    if compression == "none" and compressed_name:
+        raise FastaError(f"{path}: file name ends in .gz/.bgz but the file is not compressed; rename it")
+    try:
+        with _open_text(path, compression) as fh:
+            _scan(path, fh)
+    except (OSError, EOFError, zlib.error) as e:  # truncated or corrupt compressed data, unreadable file
+        raise FastaError(f"{path}: cannot read the file ({compression} compression): {e}") from e
+
+
+def _scan(path: str, fh: IO[bytes]) -> None:
+    """The validation pass proper; per line only C-level bytes methods run, so 5 Mb take ~0.1 s."""
+    names: dict[bytes, int] = {}
+    header_line = 0  # line of the current record's header; 0 before the first header
+    orphan_line = 0  # first sequence line seen before any header
+    width = 0  # length of the record's first sequence line (without the newline)
+    short_line = 0  # a line shorter than `width`: legal only as the record's last sequence line
+    blank_line = 0  # a blank line: legal only as the very last line of a record
+    record_bases = 0
+    seen_lf = 0
+    number = 0
+    for number, line in enumerate(fh, start=1):
+        if line.endswith(b"\r\n"):
+            _crlf(path, fh, number, seen_lf)
+        if line.endswith(b"\n"):
+            seen_lf = seen_lf or number
+            body = line[:-1]
+        else:
+            body = line
+        if body.startswith(b">"):
+            if orphan_line:
+                raise FastaError(f"{path}:{orphan_line}: sequence before the first header line ('>name')")
+            if header_line and record_bases == 0:
+                raise FastaError(f"{path}:{header_line}: record has no sequence")
+            fields = body[1:].split(None, 1)
+            if not fields or body[1:2].isspace():
+                raise FastaError(
+                    f"{path}:{number}: header has an empty name (the name is the text right after '>' "
+                    f"up to the first whitespace)"
+                )
+            name = fields[0]
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise FastaError(f"{path}:{number}:{e.start + 1}: header is not valid UTF-8") from e
+            if name in names:
+                raise FastaError(
+                    f"{path}:{number}: duplicate record name {name.decode()!r} (first defined at line "
+                    f"{names[name]}); names are the header text up to the first whitespace"
+                )
+            names[name] = number
+            header_line, width, short_line, blank_line, record_bases = number, 0, 0, 0, 0
+            continue
+        if not header_line:
+            # pyfaidx (like samtools) skips blank and ';' comment lines before the first record.
+            if body.strip() == b"" or body.startswith(b";"):
+                continue
+            orphan_line = orphan_line or number
+            continue
+        if not body:
+            if blank_line:
+                raise FastaError(f"{path}:{number}: second blank line in a record (faidx allows one, at its end)")
+            blank_line = number
+            continue
+        if blank_line:
+            raise FastaError(f"{path}:{blank_line}: blank line inside a record (faidx cannot index it)")
+        if line.translate(None, _ALLOWED_IN_LINE):
+            m = _BAD_CHAR.search(body)
+            assert m is not None  # translate found a byte outside the set, so the search does too
+            char = m.group().decode("latin-1")
+            raise FastaError(
+                f"{path}:{number}:{m.start() + 1}: character {char!r} is not a nucleotide "
+                f"(allowed: ACGT, IUPAC codes RYSWKMBDHVN, either case)"
+            )
+        if short_line:
+            raise FastaError(
+                f"{path}:{short_line}: line is shorter than the record's first line ({width} bases) but is not "
+                f"its last; faidx needs equal line lengths within a record (reformat, e.g. `seqkit seq -w 60`)"
+            )
+        n = len(body)
+        if not width:
+            width = n
+        elif n > width:
+            raise FastaError(
+                f"{path}:{number}: line is longer ({n}) than the record's first line ({width}); faidx needs "
+                f"equal line lengths within a record (reformat, e.g. `seqkit seq -w 60`)"
+            )
+        elif n < width:
+            short_line = number
+        record_bases += n
+    if orphan_line:
+        raise FastaError(f"{path}:{orphan_line}: no FASTA header ('>name') before this sequence line")
+    if not header_line:
+        raise FastaError(f"{path}: no FASTA header ('>name') in {number} line(s)")
+    if record_bases == 0:
+        raise FastaError(f"{path}:{header_line}: record has no sequence")
+
+
+def _crlf(path: str, fh: IO[bytes], number: int, seen_lf: int) -> None:
+    """Raise for a CRLF line ending, saying whether the file mixes CRLF and LF (which needs a closer look)."""
+    fix = "convert with `dos2unix` (or `sed -i 's/\\r$//'`)"
+    if seen_lf:
+        raise FastaError(f"{path}:{number}: mixed line endings: CRLF here, LF at line {seen_lf}; {fix}")
+    # The file starts with CRLF: read on to tell a Windows file from a mixed one.
+    for later, line in enumerate(fh, start=number + 1):
+        if line.endswith(b"\n") and not line.endswith(b"\r\n"):
+            raise FastaError(f"{path}:{number}: mixed line endings: CRLF here, LF at line {later}; {fix}")
+    raise FastaError(f"{path}:{number}: Windows (CRLF) line endings; {fix}")
+
+
+def _fresh(path: str, index: str) -> bool:
+    """Whether `index` exists and is not older than `path` (pyfaidx rebuilds older ones)."""
+    return os.path.exists(index) and os.path.getmtime(index) >= os.path.getmtime(path)
+
+
+def _index_paths(path: str, index_dir: str | None) -> tuple[str | None, str | None]:
+    """Where pyfaidx keeps .fai/.gzi: next to the FASTA (None, pyfaidx's default) unless that is read-only.
+
+    Reference genomes on clusters often live in read-only directories; then the index goes to a per-file
+    directory under the system temp dir, keyed by the FASTA's absolute path, size and mtime.
+    """
+    if index_dir is None:
+        directory = os.path.dirname(os.path.abspath(path))
+        compressed = path.lower().endswith(_COMPRESSED_SUFFIXES)
+        indexed = _fresh(path, path + ".fai") and (not compressed or _fresh(path, path + ".gzi"))
+        if os.access(directory, os.W_OK) or indexed:
+            return None, None
+        stat = os.stat(path)
+        key = hashlib.sha256(f"{os.path.abspath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+        index_dir = os.path.join(tempfile.gettempdir(), "megagenome-fai", key[:16])
+    os.makedirs(index_dir, exist_ok=True)
+    base = os.path.join(index_dir, os.path.basename(path))
+    return base + ".fai", base + ".gzi"
+
+
+class Genome:
+    """A validated FASTA file with random access; coordinates are 0-based and half-open, case is kept.
+
+    Not safe to share across fork(): open one Genome per process.
+    """
+
+    def __init__(self, path: str, index_dir: str | None = None):
+        path = os.fspath(path)
+        validate_fasta(path)
+        self.path = path
+        fai, gzi = _index_paths(path, index_dir)
+        try:
+            self._faidx = pyfaidx.Faidx(
+                path,
+                indexname=fai,
+                gzi_indexname=gzi,
+                as_raw=True,
+                sequence_always_upper=False,
+                strict_bounds=True,
+                one_based_attributes=False,
+            )
+        except ImportError as e:
+            # pyfaidx reads BGZF through Biopython's bgzf module and imports it only then.
+            raise FastaError(f"{path}: reading BGZF needs Biopython (`pip install biopython`): {e}") from e
+        except (OSError, ValueError, pyfaidx.FastaIndexingError) as e:
+            raise FastaError(f"{path}: pyfaidx could not index the file: {e}") from e
+        self.lengths: dict[str, int] = {name: rec.rlen for name, rec in self._faidx.index.items()}
+
+    def _check(self, contig: str, start: int, end: int) -> None:
+        if contig not in self.lengths:
+            known = ", ".join(list(self.lengths)[:10]) + (", ..." if len(self.lengths) > 10 else "")
+            raise ValueError(f"{self.path}: no contig {contig!r} (known: {known})")
+        if not 0 <= start <= end <= self.lengths[contig]:
+            raise ValueError(
+                f"{self.path}: interval [{start}, {end}) is outside {contig} (length {self.lengths[contig]})"
+            )
+
+    def fetch(self, contig: str, start: int, end: int) -> bytes:
+        """Bases [start, end) of `contig` (0-based, half-open) as ASCII bytes with case preserved."""
+        start, end = int(start), int(end)
+        self._check(contig, start, end)
+        if start == end:
+            return b""
+        return self._faidx.fetch(contig, start + 1, end).encode("ascii")
+
+    def read_contig(self, contig: str) -> bytes:
+        """The whole contig as ASCII bytes, case preserved."""
+        self._check(contig, 0, 0)
+        return self.fetch(contig, 0, self.lengths[contig])
+
+    def close(self) -> None:
+        self._faidx.close()
+
+    def __enter__(self) -> Genome:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Genome({self.path!r}, contigs={len(self.lengths)}, bases={sum(self.lengths.values())})"

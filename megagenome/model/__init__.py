@@ -1,0 +1,5 @@
+"""The DNA language model (layer L1): plain torch, no data, training or deepspeed imports."""
+
+from megagenome.model.transformer import DNATransformer
+
+__all__ = ["DNATransformer"]

@@ -1,0 +1,125 @@
+"""Transformer building blocks: RMSNorm, rotary position embedding, SwiGLU MLP, self-attention, Block.
+
+A LLaMA-style pre-norm block without biases. Every linear layer is its own named nn.Linear
+(qkv, proj, w_gate, w_up, w_down) so tensor parallelism can later swap them for column/row-parallel
+layers from outside; for the same reason the forward passes infer the number of local heads and the
+local hidden width from the layers' outputs instead of assuming the full model width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megagenome.config import ModelConfig, d_ff
+from megagenome.model.attention import attention
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale and no bias, computed in float32.
+
+    Squaring bf16/fp16 activations loses precision (and can overflow in fp16), so the statistics
+    and the scaling are done in float32 and the result is cast back to the input dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # (..., dim)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., dim)
+        return (xf * self.weight.float()).to(x.dtype)  # (..., dim)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE), "rotate_half" convention: dimension i pairs with i + head_dim/2.
+
+    The cos/sin tables are computed once in float32 for max_seq_len positions. They are
+    non-persistent buffers: they follow .to(device) but are not saved in checkpoints, since they
+    are a pure function of the config. Only the half-width tables are kept (both halves of a head
+    use the same frequencies), which halves their memory per layer.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (head_dim/2,)
+        # float64 angles so positions near max_seq_len keep their precision before the float32 cast.
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (max_seq_len, head_dim/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x, shape (B, H, T, head_dim), at positions 0..T-1."""
+        T = x.size(-2)
+        cos = self.cos[:T].to(x.dtype)  # (T, head_dim/2)
+        sin = self.sin[:T].to(x.dtype)  # (T, head_dim/2)
+        x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, H, T, head_dim/2)
+        # (x1 + i x2) * (cos + i sin), written out: the rotate_half form x*cos + rotate_half(x)*sin.
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, H, T, head_dim)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with rotary q/k; causal for the clm objective, bidirectional for mlm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"--model.d_model={cfg.d_model} is not divisible by --model.n_head={cfg.n_head}")
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.causal = cfg.objective == "clm"
+        self.dropout = cfg.dropout
+        self.kernel = cfg.attention
+        # Fused projection whose 3*d outputs are laid out per head as (n_head, 3, head_dim), the
+        # Megatron layout: splitting the output dimension into contiguous shards gives each
+        # tensor-parallel rank whole heads with their own q, k and v.
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, n_head, 3, head_dim)
+        qkv = qkv.permute(3, 0, 2, 1, 4)  # (3, B, n_head, T, head_dim)
+        q, k, v = qkv.unbind(0)  # 3 x (B, n_head, T, head_dim)
+        q, k = self.rotary(q), self.rotary(k)  # (B, n_head, T, head_dim)
+        dropout_p = self.dropout if self.training else 0.0
+        y = attention(q, k, v, causal=self.causal, dropout_p=dropout_p, kernel=self.kernel)  # (B, n_head, T, head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * head_dim)
+        return self.proj(y)  # (B, T, d_model)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: w_down(silu(w_gate(x)) * w_up(x)), no biases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = d_ff(cfg)
+        self.w_gate = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.w_gate(x)) * self.w_up(x)  # (B, T, d_ff)
+        return self.w_down(h)  # (B, T, d_model)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), with residual dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = SelfAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))  # (B, T, d_model)
+        x = x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d_model)
+        return x

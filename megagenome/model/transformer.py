@@ -1,0 +1,110 @@
+"""DNATransformer: token embedding, n_layer pre-norm Blocks, final RMSNorm and a (tied) LM head.
+
+forward() returns the weighted loss together with its numerator and denominator (nll_sum in
+nats, weight_sum), so the training loop can sum them over micro-batches and ranks and report
+exact bits per base instead of averaging per-batch means.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megagenome.config import ModelConfig
+from megagenome.model.layers import Block, RMSNorm
+
+# Embedding rows are padded to a multiple of this so the LM-head matmul has tensor-core friendly shapes.
+VOCAB_MULTIPLE = 8
+
+
+class DNATransformer(nn.Module):
+    """A LLaMA-style transformer for single-nucleotide DNA tokens (clm or mlm objective)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size={vocab_size}: must be positive")
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"--model.d_model={cfg.d_model} is not divisible by --model.n_head={cfg.n_head}")
+        if (cfg.d_model // cfg.n_head) % 2:
+            raise ValueError(f"head size --model.d_model/--model.n_head={cfg.d_model // cfg.n_head} must be even")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = VOCAB_MULTIPLE * math.ceil(vocab_size / VOCAB_MULTIPLE)
+
+        self.embed = nn.Embedding(self.padded_vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, self.padded_vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+        self.apply(self._init_weights)
+        # GPT-2 rule: each block adds two residual branches, so scaling the projections that write
+        # into the residual stream by 1/sqrt(2 * n_layer) keeps its variance independent of depth.
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.w_down.weight, mean=0.0, std=residual_std)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token (clm) or masked-token (mlm) logits, (B, T, vocab_size), in the model's dtype."""
+        T = input_ids.size(1)  # input_ids: (B, T)
+        if T > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {T} is above --model.max_seq_len={self.cfg.max_seq_len} "
+                "(the rotary tables end there); raise it or shorten --data.seq_len"
+            )
+        x = self.embed(input_ids)  # (B, T, d_model)
+        for block in self.blocks:
+            x = block(x)  # (B, T, d_model)
+        x = self.norm(x)  # (B, T, d_model)
+        # Padded vocabulary columns are never valid targets; slicing them off keeps them out of the softmax.
+        return self.lm_head(x)[..., : self.vocab_size]  # (B, T, vocab_size)
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, nll_sum, weight_sum) for input_ids and labels (B, T) int64 and loss_weight (B, T) float.
+
+        nll_sum = sum(cross_entropy * loss_weight) in nats, weight_sum = sum(loss_weight) and
+        loss = nll_sum / max(weight_sum, 1). Labels at weight-0 positions may be -100 (ignored).
+        """
+        logits = self.logits(input_ids)  # (B, T, vocab_size)
+        # Float32 log-softmax: under bf16 the logits' rounding would bias the loss.
+        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # (B*T,)
+        weight = loss_weight.float().flatten()  # (B*T,)
+        nll_sum = (ce * weight).sum()
+        weight_sum = weight.sum()
+        loss = nll_sum / weight_sum.clamp(min=1.0)
+        return loss, nll_sum, weight_sum
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters, tied weights counted once.
+
+        exclude_embeddings drops the vocabulary matrices (the token embedding and, when untied, the
+        LM head), the usual "non-embedding" count of scaling-law papers.
+        """
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
+        if exclude_embeddings:
+            n -= self.embed.weight.numel()
+            if self.lm_head.weight is not self.embed.weight:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups: matrices (linears, embedding) decay; norm scales and other 1-D tensors do not."""
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

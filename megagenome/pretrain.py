@@ -1,0 +1,247 @@
+"""`megagenome pretrain`: the one entry point that sees the whole root config (layer L4).
+
+Order matters: every check that can fail (config, DeepSpeed JSON, FASTA, split, resume target)
+runs before the process group starts, and reports every problem at once. Then the run directory
+records are written, the engine is built, training runs, and a summary closes the run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megagenome.config import ConfigError, RootConfig, batch_sizes, config_hash, to_dict, validate, yaml_line
+from megagenome.data.dataset import GenomeData, build_genome_data
+from megagenome.data.sampler import batch_indices
+from megagenome.data.markov import markov_bits_per_base
+from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.metrics import MetricsWriter, flops_per_token, peak_tflops, read_metrics
+from megagenome.model import DNATransformer
+from megagenome.record import env_record, write_json, write_yaml
+from megagenome.train import checkpoint, engine as ds
+from megagenome.train.loop import LoopPlan, evaluate, fit
+
+_FLAG = re.compile(r"--([a-z_]+\.[a-z_]+)")
+
+
+@dataclass
+class Prepared:
+    """What survives validation: the parsed pieces a run starts from."""
+
+    ds_json: dict
+    data: GenomeData
+    resume_from: Optional[str]
+    dp_size: int
+
+
+def _locate(problems: list[str], config_files: list[str]) -> list[str]:
+    """Append 'file:line' to messages whose flag is set in one of the YAML files given with --config."""
+    out = []
+    for p in problems:
+        m = _FLAG.search(p)
+        where = []
+        if m:
+            for f in config_files:
+                line = yaml_line(f, m.group(1))
+                if line is not None:
+                    where.append(f"{f}:{line}")
+        out.append(p + (f" [{', '.join(where)}]" if where else ""))
+    return out
+
+
+def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepared:
+    """Validate everything that can be checked without a process group; raise ConfigError listing all."""
+    dp_size = world_size
+    problems = _locate(validate(cfg, dp_size), config_files)
+    source = config_files[-1] if config_files else "the command line"
+    ds_json: dict = {}
+    try:
+        ds_json = ds.load_ds_json(cfg.train.ds_config)
+        problems += ds.check_ds_config(ds_json, cfg.train.ds_config, source, ds.on_gpu())
+    except ValueError as e:
+        problems.append(str(e))
+    data = None
+    if cfg.data.fasta and not any(p.startswith("--data.") for p in problems):
+        try:
+            data = build_genome_data(cfg.data, cfg.model.objective)
+        except (ValueError, OSError) as e:
+            problems.append(str(e))
+    resume_from = None
+    try:
+        resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, _ckpt_root(cfg))
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        if data is not None:
+            data.close()
+        raise ConfigError(problems)
+    return Prepared(ds_json, data, resume_from, dp_size)
+
+
+def _ckpt_root(cfg: RootConfig) -> str:
+    return os.path.join(cfg.log.run_dir, "checkpoints")
+
+
+def _set_threads(cfg: RootConfig) -> None:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
+    torch.set_num_threads(threads)
+
+
+def _eval_batches(data: GenomeData, rank: int, dp_size: int, micro: int):
+    """This rank's share of the eval windows, padded so every rank runs the same number of batches.
+
+    Equal batch counts matter: under ZeRO-3 every forward is a collective, so a rank with one batch
+    fewer would hang the others. Padding batches repeat a window with zero loss weight.
+    """
+    regions = data.eval_regions
+    per_rank = math.ceil(len(regions) / dp_size)
+    mine = regions[rank::dp_size]
+    n_batches = math.ceil(per_rank / micro)
+    for b in range(n_batches):
+        chunk = mine[b * micro:(b + 1) * micro]
+        real = len(chunk)
+        chunk = chunk + [regions[0]] * (micro - real)
+        batch = data.eval_batch(chunk)
+        batch["loss_weight"][real:] = 0.0
+        yield batch
+
+
+def run(cfg: RootConfig, config_files: list[str]) -> dict:
+    """Validate, launch the engine, train, evaluate and summarise. Returns the summary dict."""
+    started = time.time()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    prep = prepare(cfg, config_files, world_size)
+    data = prep.data
+    _set_threads(cfg)
+    rank, _, world_size = ds.init_distributed()
+    micro, accum, global_batch = batch_sizes(cfg.train, prep.dp_size)
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    model = DNATransformer(cfg.model, VOCAB_SIZE)
+    n_params = model.num_parameters()
+    gpu = ds.on_gpu()
+    ds_config = ds.build_ds_config(cfg, prep.ds_json, prep.dp_size, gpu)
+    engine = ds.initialize(model, model.param_groups(cfg.train.weight_decay), ds_config)
+    device = ds.device()
+    torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout streams differ across data-parallel ranks
+    hosts = ds.all_gather_object(socket.gethostname())
+    run_dir = cfg.log.run_dir
+    ckpt_root = _ckpt_root(cfg)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    writer = MetricsWriter(metrics_path, enabled=rank == 0)
+    if rank == 0:
+        os.makedirs(ckpt_root, exist_ok=True)
+        write_yaml(os.path.join(run_dir, "config.yaml"), to_dict(cfg))
+        write_json(os.path.join(run_dir, "ds_config.json"), ds_config)
+        write_json(os.path.join(run_dir, "env.json"), env_record(world_size, hosts, str(device)))
+        write_json(os.path.join(run_dir, "split.json"), data.split_record())
+        print(f"megagenome: {n_params:,} parameters, {world_size} rank(s) on {device.type}, "
+              f"global batch {global_batch} = micro {micro} x accumulation {accum} x data-parallel {prep.dp_size}, "
+              f"run dir {run_dir}", flush=True)
+    ds.barrier()
+
+    chash = config_hash(cfg)
+    start_step = 0
+    if prep.resume_from is not None:
+        client = checkpoint.load(engine, prep.resume_from, rank)
+        if client.get("config_hash") not in (None, chash):
+            raise ConfigError([f"checkpoint {prep.resume_from} was written with a different model or data "
+                               "config; use a new --log.run_dir or restore the original config"])
+        start_step = int(client["step"])
+        writer.truncate_after(start_step)
+        if rank == 0:
+            print(f"megagenome: resumed from {prep.resume_from} at step {start_step}", flush=True)
+
+    def to_device(batch: dict) -> dict:
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    def train_batch(step: int, micro_step: int) -> dict:
+        cursor = step * global_batch
+        indices = batch_indices(cursor, micro_step, rank, prep.dp_size, micro)
+        return data.train_batch(indices)
+
+    def run_eval() -> dict:
+        return evaluate(engine, _eval_batches(data, rank, prep.dp_size, micro), ds.all_reduce_sum, to_device)
+
+    def save(step: int) -> None:
+        state = {"step": step, "samples_consumed": step * global_batch, "config_hash": chash,
+                 "world_size": world_size}
+        checkpoint.save(engine, ckpt_root, step, state, rank, cfg.checkpoint.keep_last, ds.barrier)
+
+    plan = LoopPlan(
+        start_step=start_step, max_steps=cfg.train.max_steps, stop_at=cfg.train.stop_at or cfg.train.max_steps,
+        grad_accum=accum, global_batch=global_batch,
+        seq_len=cfg.data.seq_len, log_interval=cfg.train.log_interval, eval_interval=cfg.train.eval_interval,
+        ckpt_interval=cfg.checkpoint.interval,
+        flops_per_token=flops_per_token(n_params, cfg.model.n_layer, cfg.model.d_model, cfg.data.seq_len),
+        peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if gpu else None,
+        world_size=world_size, rank=rank,
+    )
+    result = fit(engine, plan, train_batch, run_eval, save, writer, ds.all_reduce_sum, to_device,
+                 progress=cfg.log.progress)
+    summary = {}
+    if rank == 0:
+        summary = _summarise(cfg, data, metrics_path, result, n_params, time.time() - started)
+    data.close()
+    ds.shutdown()
+    return summary
+
+
+def _summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict, n_params: int,
+               wall_s: float) -> dict:
+    """Held-out bits/base next to Markov baselines, throughput and wall time; printed and saved."""
+    rows = read_metrics(metrics_path)
+    train_rows = [r for r in rows if "split" not in r]
+    eval_rows = [r for r in rows if r.get("split") == "val"]
+    train_pairs = data.train_tokens()
+    heldout_pairs = data.heldout_tokens()
+    w = cfg.data.eval_softmask_weight
+    heldout_weights = [np.where(mask, w, 1.0) for _, mask in heldout_pairs]
+    baselines = markov_bits_per_base([t for t, _ in train_pairs], [t for t, _ in heldout_pairs],
+                                     heldout_weights=heldout_weights)
+    best_k = min(baselines, key=baselines.get)
+    final_eval = eval_rows[-1] if eval_rows else result.get("eval", {})
+    tps = [r["tokens_per_s"] for r in train_rows[1:]] or [r["tokens_per_s"] for r in train_rows]
+    summary = {
+        "run_dir": os.path.abspath(cfg.log.run_dir),
+        "parameters": n_params,
+        "steps": train_rows[-1]["step"] if train_rows else 0,
+        "train_loss": train_rows[-1]["loss"] if train_rows else None,
+        "heldout_bits_per_base": final_eval.get("bits_per_base"),
+        "markov_bits_per_base": {str(k): v for k, v in baselines.items()},
+        "best_markov_order": best_k,
+        "beats_best_markov": (final_eval.get("bits_per_base") or math.inf) < baselines[best_k],
+        "tokens_per_s_median": float(np.median(tps)) if tps else None,
+        "wall_s": wall_s,
+    }
+    write_json(os.path.join(cfg.log.run_dir, "summary.json"), summary)
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(s: dict) -> None:
+    out = sys.stdout
+    print("\n== megagenome pretrain summary ==", file=out)
+    print(f"run dir            {s['run_dir']}", file=out)
+    print(f"parameters         {s['parameters']:,}", file=out)
+    print(f"steps              {s['steps']}", file=out)
+    print(f"train loss         {s['train_loss']:.4f} nats/token" if s["train_loss"] is not None else "", file=out)
+    model_bpb = s["heldout_bits_per_base"]
+    print(f"held-out bits/base {model_bpb:.4f}  (model)", file=out)
+    for k, v in s["markov_bits_per_base"].items():
+        mark = "  <- best baseline" if int(k) == s["best_markov_order"] else ""
+        print(f"                   {v:.4f}  order-{k} Markov{mark}", file=out)
+    verdict = "below" if s["beats_best_markov"] else "not yet below"
+    print(f"                   model is {verdict} the best Markov baseline", file=out)
+    if s["tokens_per_s_median"] is not None:
+        print(f"tokens/s           {s['tokens_per_s_median']:,.0f} (median over logged intervals, all ranks)", file=out)
+    print(f"wall time          {s['wall_s']:.1f} s", file=out, flush=True)

@@ -1,0 +1,33 @@
+"""megagenome: pretrain genomic (DNA) language models on the DeepSpeed engine.
+
+Versions are pinned to the set the test suite runs against (see .ci/run). On a machine without a
+GPU, torch==2.13.0 installs the CPU build; on a CUDA machine the same pin installs the CUDA build.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megagenome",
+    version="0.1.0",
+    description="DeepSpeed-based, Megatron-style pretraining of genomic (DNA) language models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megagenome", "megagenome.*"]),
+    install_requires=[
+        "torch==2.13.0",
+        "deepspeed==0.19.8",
+        "numpy==2.2.6",
+        "pyfaidx==0.9.2.2",
+        "biopython==1.88",  # pyfaidx reads BGZF through Bio.bgzf
+        "jsonargparse[signatures]==4.53.0",
+        "PyYAML==6.0.4",
+        "tqdm==4.70.1",
+    ],
+    extras_require={
+        # flash-attn compiles against the local CUDA toolkit; install it on GPU machines only.
+        "gpu": ["flash-attn==2.8.3.post2"],
+        "dev": ["pytest==9.2.0", "ruff==0.17.6"],
+    },
+    entry_points={"console_scripts": ["megagenome=megagenome.cli:main"]},
+)

@@ -1,0 +1,75 @@
+"""Shared helpers for the tests that run megagenome as a user would: the CLI and the deepspeed launcher."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import yaml
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+PYTHON = sys.executable
+BIN = pathlib.Path(PYTHON).parent
+
+
+def copy_genome(name: str, dest: pathlib.Path) -> str:
+    """Copy a bundled genome into dest (pyfaidx writes its index beside the FASTA)."""
+    src = DATA / name if (DATA / name).exists() else REPO / "examples" / "data" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / name
+    shutil.copy(src, out)
+    return str(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PATH"] = str(BIN) + os.pathsep + e.get("PATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    return e
+
+
+def write_yaml(path: pathlib.Path, data: dict) -> str:
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -m megagenome ARGS` in a single process."""
+    return subprocess.run([PYTHON, "-m", "megagenome", *args], cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def launch(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N --module megagenome ARGS`: the real launcher, CPU ranks on gloo."""
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), "--module",
+           "megagenome", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_config(tmp: pathlib.Path, fasta: str, run_dir: pathlib.Path, **overrides) -> dict:
+    """A small, fast fp32 run config on phiX174 (5,386 bp, one contig)."""
+    cfg = {
+        "model": {"d_model": 32, "n_layer": 2, "n_head": 2, "max_seq_len": 128},
+        "data": {"fasta": fasta, "seq_len": 64, "val_ranges": ["NC_001422.1:4301-5386"], "eval_windows": 8},
+        "train": {"ds_config": str(REPO / "ds_configs" / "zero0_fp32.json"), "micro_batch_size": 2,
+                  "max_steps": 6, "warmup_steps": 2, "log_interval": 1, "eval_interval": 3, "lr": 3e-3,
+                  "min_lr": 3e-4, "num_threads": 1},
+        "checkpoint": {"interval": 3, "resume": "auto"},
+        "log": {"run_dir": str(run_dir), "progress": False},
+    }
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        cfg[section][key] = value
+    return cfg

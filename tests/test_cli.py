@@ -1,0 +1,160 @@
+"""Tier 1: the real CLI: --help from docstrings, every shipped YAML and JSON parsed, bad input named clearly."""
+
+import json
+import pathlib
+
+import pytest
+from helpers import REPO, copy_genome, tiny_config, write_yaml
+
+from megagenome import cli
+from megagenome.config import ConfigError, RootConfig
+from megagenome.pretrain import prepare
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+
+
+def parse(argv):
+    """Parse like `megagenome pretrain ARGV` and return (RootConfig, config files)."""
+    parser = cli.build_parser()
+    ns = parser.parse_args(["pretrain", *argv])
+    files = [str(p) for p in (ns.pretrain.get("config") or []) if p is not None]
+    c = parser.instantiate(ns).pretrain
+    return RootConfig(model=c.model, data=c.data, train=c.train, checkpoint=c.checkpoint, log=c.log), files
+
+
+def test_help_comes_from_field_docstrings(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["pretrain", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "Width of the residual stream." in out
+    assert "--checkpoint.resume" in out and "--train.ds_config" in out
+
+
+def test_print_config_round_trips(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        cli.main(["pretrain", "--config", str(REPO / "configs" / "tiny.yaml"), "--print_config"])
+    printed = capsys.readouterr().out
+    saved = tmp_path / "again.yaml"
+    saved.write_text(printed)
+    a, _ = parse(["--config", str(REPO / "configs" / "tiny.yaml")])
+    b, _ = parse(["--config", str(saved)])
+    assert a == b
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_yaml_parses_and_validates(path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg, files = parse(["--config", str(path), "--log.run_dir", "/nonexistent/never-written"])
+    prep = prepare(cfg, files, world_size=2)
+    try:
+        assert prep.data.train_sampler.num_windows > 0
+        assert prep.ds_json
+    finally:
+        prep.data.close()
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=[p.name for p in DS_CONFIGS])
+def test_every_shipped_ds_json_is_accepted(path):
+    from megagenome.train.engine import check_ds_config, load_ds_json
+
+    assert check_ds_config(load_ds_json(str(path)), str(path), "run.yaml", on_gpu=False) == []
+
+
+def test_cli_overrides_beat_yaml():
+    cfg, _ = parse(["--config", str(REPO / "configs" / "tiny.yaml"), "--train.lr", "0.5", "--model.n_layer=7"])
+    assert cfg.train.lr == 0.5 and cfg.model.n_layer == 7
+    assert cfg.model.d_model == 128  # from the YAML
+
+
+def test_unknown_key_in_yaml_is_rejected(tmp_path, capsys):
+    bad = write_yaml(tmp_path / "bad.yaml", {"model": {"d_modle": 64}})
+    with pytest.raises(SystemExit) as e:
+        cli.main(["pretrain", "--config", bad])
+    assert e.value.code == 2
+    assert "d_modle" in capsys.readouterr().err
+
+
+def test_wrong_type_is_rejected(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["pretrain", "--model.d_model", "wide"])
+    assert e.value.code == 2
+    assert "model.d_model" in capsys.readouterr().err
+
+
+def test_semantic_problems_name_flag_file_and_line(tmp_path, capsys):
+    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
+    cfg = tiny_config(tmp_path, fasta, tmp_path / "run")
+    cfg["model"]["n_head"] = 3
+    cfg["data"]["seq_len"] = 256
+    cfg["train"]["global_batch_size"] = 7
+    path = write_yaml(tmp_path / "bad.yaml", cfg)
+    assert cli.main(["pretrain", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "3 configuration problem(s)" in err
+    assert "--model.d_model=32 is not divisible by --model.n_head=3" in err
+    assert f"{path}:" in err  # file and line of the offending key
+    assert "--train.global_batch_size=7" in err
+    assert not (tmp_path / "run").exists()  # nothing written before validation passed
+
+
+def test_bad_ds_json_reports_line_and_column(tmp_path):
+    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
+    bad = tmp_path / "ds.json"
+    bad.write_text('{"zero_optimization": {"stage": 1}\n "bf16": {}}')
+    cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
+                        "--train.ds_config", str(bad)])
+    with pytest.raises(ConfigError, match=r"ds.json:2:2: not valid JSON"):
+        prepare(cfg, files, world_size=1)
+
+
+def test_root_owned_key_in_ds_json_names_both_files(tmp_path):
+    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
+    run_yaml = write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run"))
+    cfg, files = parse(["--config", run_yaml, "--train.ds_config", str(ds)])
+    with pytest.raises(ConfigError) as e:
+        prepare(cfg, files, world_size=1)
+    assert str(ds) in str(e.value) and run_yaml in str(e.value)
+
+
+def test_resume_dir_without_complete_checkpoint_is_refused(tmp_path):
+    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
+    half = tmp_path / "old" / "checkpoints" / "step_00000003"
+    half.mkdir(parents=True)  # a save that never finished: no COMPLETE marker
+    cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
+                        "--checkpoint.resume", str(tmp_path / "old")])
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        prepare(cfg, files, world_size=1)
+
+
+def test_fresh_start_refuses_to_overwrite_checkpoints(tmp_path):
+    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
+    (tmp_path / "run" / "checkpoints" / "step_00000003").mkdir(parents=True)
+    cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
+                        "--checkpoint.resume", "none"])
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        prepare(cfg, files, world_size=1)
+
+
+def test_malformed_fasta_is_a_config_problem(tmp_path):
+    bad = tmp_path / "bad.fa"
+    bad.write_text(">a\nACGT\n>a\nACGT\n")
+    cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, str(bad), tmp_path / "run"))])
+    with pytest.raises(ConfigError, match="bad.fa"):
+        prepare(cfg, files, world_size=1)
+
+
+def test_launcher_local_rank_argument_is_accepted():
+    assert cli._strip_launcher_args(["pretrain", "--local_rank=1", "--x", "1"]) == ["pretrain", "--x", "1"]
+    assert cli._strip_launcher_args(["--local_rank", "0", "pretrain"]) == ["pretrain"]
+
+
+def test_readme_commands_exist():
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    test_cmd = next(line.strip() for line in ci.splitlines() if "pytest" in line and "pip install" in line)
+    assert test_cmd in readme, "the README's test command must be the one .ci/run runs"
+    assert pathlib.Path(REPO / "launch" / "local.sh").exists()
