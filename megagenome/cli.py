@@ -7,8 +7,8 @@ in YAML or on the command line, are errors.
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Optional
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
@@ -47,7 +47,7 @@ def _strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -61,7 +61,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             pretrain.run(root, config_files)
         except ConfigError as e:
-            print(f"megagenome pretrain: error: {e}", file=sys.stderr)
+            # Every rank validates and exits non-zero; one copy of the message is enough.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"megagenome pretrain: error: {e}", file=sys.stderr)
             return 2
         return 0
     parser.print_help()

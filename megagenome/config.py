@@ -15,7 +15,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 # A region as samtools writes it: contig:start-end, 1-based, both ends included.
 _REGION = re.compile(r"^(?P<contig>\S+):(?P<start>[0-9][0-9,]*)-(?P<end>[0-9][0-9,]*)$")
@@ -31,7 +31,7 @@ class ModelConfig:
     """Number of transformer blocks."""
     n_head: int = 4
     """Number of attention heads; must divide d_model."""
-    d_ff: Optional[int] = None
+    d_ff: int | None = None
     """Hidden width of the SwiGLU MLP; default 8/3 * d_model rounded up to a multiple of 64."""
     max_seq_len: int = 1024
     """Longest sequence the model accepts (rotary tables are built for this length)."""
@@ -88,17 +88,20 @@ class TrainConfig:
     """Batch arithmetic, optimisation schedule and the DeepSpeed engine JSON."""
 
     ds_config: str = "ds_configs/zero1_bf16.json"
-    """DeepSpeed JSON with the engine knobs (ZeRO, precision, ...). Batch, optimizer and scheduler keys belong here, not there."""
+    """DeepSpeed JSON with the engine knobs (ZeRO, precision, ...). Batch, optimizer and scheduler keys
+    belong in this run config, not there."""
     micro_batch_size: int = 8
     """Windows per rank per forward/backward pass."""
     grad_accum_steps: int = 1
     """Micro batches accumulated before each optimizer step."""
-    global_batch_size: Optional[int] = None
-    """Windows per optimizer step over all ranks; must equal micro_batch_size * grad_accum_steps * data-parallel size (computed when unset)."""
+    global_batch_size: int | None = None
+    """Windows per optimizer step over all ranks; must equal micro_batch_size * grad_accum_steps *
+    data-parallel size (computed when unset)."""
     max_steps: int = 1000
     """Optimizer steps to train for (the learning-rate schedule spans exactly these)."""
-    stop_at: Optional[int] = None
-    """End this invocation after this step with a checkpoint, keeping the schedule of --train.max_steps; continue later with --checkpoint.resume auto (for time-limited jobs)."""
+    stop_at: int | None = None
+    """End this invocation after this step with a checkpoint, keeping the schedule of --train.max_steps;
+    continue later with --checkpoint.resume auto (for time-limited jobs)."""
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     min_lr: float = 1e-4
@@ -115,7 +118,7 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
-    torch_adam: Optional[bool] = None
+    torch_adam: bool | None = None
     """Use torch's AdamW instead of DeepSpeed's fused Adam; default: torch on CPU (no compiler needed), fused on GPU."""
     eval_interval: int = 100
     """Evaluate on the held-out split every this many steps (0: only at the end)."""
@@ -123,7 +126,7 @@ class TrainConfig:
     """Write a metrics row every this many steps."""
     seed: int = 1234
     """Seed of weight initialisation and dropout."""
-    num_threads: Optional[int] = None
+    num_threads: int | None = None
     """Torch CPU threads per rank; default: CPU cores divided by ranks on this node."""
 
 
@@ -134,7 +137,8 @@ class CheckpointConfig:
     interval: int = 0
     """Save a checkpoint every this many steps (0: only at the end of training)."""
     resume: str = "auto"
-    """auto: continue from the newest complete checkpoint in the run directory, if any; none: start fresh (refused if the run directory already has checkpoints); or a checkpoint directory to load."""
+    """auto: continue from the newest complete checkpoint in the run directory, if any; none: start fresh
+    (refused if the run directory already has checkpoints); or a checkpoint directory to load."""
     keep_last: int = 2
     """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
 
@@ -217,28 +221,44 @@ def validate(cfg: RootConfig, dp_size: int) -> list[str]:
             problems.append(f"--{flag}={value}: must be positive")
 
     for flag, value in [
-        ("model.d_model", m.d_model), ("model.n_layer", m.n_layer), ("model.n_head", m.n_head),
-        ("model.max_seq_len", m.max_seq_len), ("data.seq_len", d.seq_len),
-        ("data.eval_windows", d.eval_windows), ("train.micro_batch_size", t.micro_batch_size),
-        ("train.grad_accum_steps", t.grad_accum_steps), ("train.max_steps", t.max_steps),
-        ("train.lr", t.lr), ("train.log_interval", t.log_interval), ("checkpoint.keep_last", c.keep_last),
+        ("model.d_model", m.d_model),
+        ("model.n_layer", m.n_layer),
+        ("model.n_head", m.n_head),
+        ("model.max_seq_len", m.max_seq_len),
+        ("data.seq_len", d.seq_len),
+        ("data.eval_windows", d.eval_windows),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.grad_accum_steps", t.grad_accum_steps),
+        ("train.max_steps", t.max_steps),
+        ("train.lr", t.lr),
+        ("train.log_interval", t.log_interval),
+        ("checkpoint.keep_last", c.keep_last),
     ]:
         positive(flag, value)
     if m.d_model > 0 and m.n_head > 0:
         if m.d_model % m.n_head:
             problems.append(f"--model.d_model={m.d_model} is not divisible by --model.n_head={m.n_head}")
         elif (m.d_model // m.n_head) % 2:
-            problems.append(f"head size --model.d_model/--model.n_head={m.d_model // m.n_head} must be even for rotary embeddings")
+            problems.append(
+                f"head size --model.d_model/--model.n_head={m.d_model // m.n_head} must be even for rotary embeddings"
+            )
     if m.d_ff is not None and m.d_ff <= 0:
         problems.append(f"--model.d_ff={m.d_ff}: must be positive")
     if d.seq_len > m.max_seq_len:
         problems.append(f"--data.seq_len={d.seq_len} is above the model's maximum --model.max_seq_len={m.max_seq_len}")
-    for flag, value in [("model.dropout", m.dropout), ("data.rc_prob", d.rc_prob), ("data.mlm_probability", d.mlm_probability)]:
+    for flag, value in [
+        ("model.dropout", m.dropout),
+        ("data.rc_prob", d.rc_prob),
+        ("data.mlm_probability", d.mlm_probability),
+    ]:
         if not 0.0 <= value <= 1.0:
             problems.append(f"--{flag}={value}: must be within [0, 1]")
     if m.objective == "mlm" and not 0.0 < d.mlm_probability <= 1.0:
         problems.append(f"--data.mlm_probability={d.mlm_probability}: the mlm objective needs a positive masking rate")
-    for flag, value in [("data.softmask_weight", d.softmask_weight), ("data.eval_softmask_weight", d.eval_softmask_weight)]:
+    for flag, value in [
+        ("data.softmask_weight", d.softmask_weight),
+        ("data.eval_softmask_weight", d.eval_softmask_weight),
+    ]:
         if value < 0:
             problems.append(f"--{flag}={value}: must be non-negative")
     if d.max_n_run < 0:
@@ -268,7 +288,12 @@ def validate(cfg: RootConfig, dp_size: int) -> list[str]:
     if t.num_threads is not None and t.num_threads <= 0:
         problems.append(f"--train.num_threads={t.num_threads}: must be positive")
     micro, accum, global_batch = batch_sizes(t, dp_size)
-    if t.global_batch_size is not None and t.micro_batch_size > 0 and t.grad_accum_steps > 0 and t.global_batch_size != global_batch:
+    if (
+        t.global_batch_size is not None
+        and t.micro_batch_size > 0
+        and t.grad_accum_steps > 0
+        and t.global_batch_size != global_batch
+    ):
         problems.append(
             f"--train.global_batch_size={t.global_batch_size} is not --train.micro_batch_size={micro} x "
             f"--train.grad_accum_steps={accum} x data-parallel size {dp_size} = {global_batch}"
@@ -287,7 +312,7 @@ def config_hash(cfg: RootConfig) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def yaml_line(path: str, dotted_key: str) -> Optional[int]:
+def yaml_line(path: str, dotted_key: str) -> int | None:
     """1-based line of `dotted_key` in a block-style YAML file, or None; used to point errors at a line."""
     try:
         with open(path, encoding="utf-8") as fh:

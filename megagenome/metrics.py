@@ -10,17 +10,24 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Optional
 
 # bf16 dense peak TFLOP/s by device-name fragment (vendor datasheets). Matched in order, so the more
 # specific names come first.
 PEAK_TFLOPS_BF16 = [
-    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("GH200", 989.0),
-    ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("L4", 121.0), ("V100", 125.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("GH200", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+    ("L4", 121.0),
+    ("V100", 125.0),
 ]
 
 
-def peak_tflops(device_name: str) -> Optional[float]:
+def peak_tflops(device_name: str) -> float | None:
     """Datasheet bf16 dense peak for a GPU name, or None when unknown (CPU included)."""
     for fragment, tflops in PEAK_TFLOPS_BF16:
         if fragment.lower() in device_name.lower():

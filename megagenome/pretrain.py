@@ -14,20 +14,20 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
 
 from megagenome.config import ConfigError, RootConfig, batch_sizes, config_hash, to_dict, validate, yaml_line
 from megagenome.data.dataset import GenomeData, build_genome_data
-from megagenome.data.sampler import batch_indices
 from megagenome.data.markov import markov_bits_per_base
+from megagenome.data.sampler import batch_indices
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.metrics import MetricsWriter, flops_per_token, peak_tflops, read_metrics
 from megagenome.model import DNATransformer
 from megagenome.record import env_record, write_json, write_yaml
-from megagenome.train import checkpoint, engine as ds
+from megagenome.train import checkpoint
+from megagenome.train import engine as ds
 from megagenome.train.loop import LoopPlan, evaluate, fit
 
 _FLAG = re.compile(r"--([a-z_]+\.[a-z_]+)")
@@ -39,7 +39,7 @@ class Prepared:
 
     ds_json: dict
     data: GenomeData
-    resume_from: Optional[str]
+    resume_from: str | None
     dp_size: int
 
 
@@ -108,7 +108,7 @@ def _eval_batches(data: GenomeData, rank: int, dp_size: int, micro: int):
     mine = regions[rank::dp_size]
     n_batches = math.ceil(per_rank / micro)
     for b in range(n_batches):
-        chunk = mine[b * micro:(b + 1) * micro]
+        chunk = mine[b * micro : (b + 1) * micro]
         real = len(chunk)
         chunk = chunk + [regions[0]] * (micro - real)
         batch = data.eval_batch(chunk)
@@ -144,9 +144,12 @@ def run(cfg: RootConfig, config_files: list[str]) -> dict:
         write_json(os.path.join(run_dir, "ds_config.json"), ds_config)
         write_json(os.path.join(run_dir, "env.json"), env_record(world_size, hosts, str(device)))
         write_json(os.path.join(run_dir, "split.json"), data.split_record())
-        print(f"megagenome: {n_params:,} parameters, {world_size} rank(s) on {device.type}, "
-              f"global batch {global_batch} = micro {micro} x accumulation {accum} x data-parallel {prep.dp_size}, "
-              f"run dir {run_dir}", flush=True)
+        print(
+            f"megagenome: {n_params:,} parameters, {world_size} rank(s) on {device.type}, "
+            f"global batch {global_batch} = micro {micro} x accumulation {accum} x data-parallel {prep.dp_size}, "
+            f"run dir {run_dir}",
+            flush=True,
+        )
     ds.barrier()
 
     chash = config_hash(cfg)
@@ -154,8 +157,12 @@ def run(cfg: RootConfig, config_files: list[str]) -> dict:
     if prep.resume_from is not None:
         client = checkpoint.load(engine, prep.resume_from, rank)
         if client.get("config_hash") not in (None, chash):
-            raise ConfigError([f"checkpoint {prep.resume_from} was written with a different model or data "
-                               "config; use a new --log.run_dir or restore the original config"])
+            raise ConfigError(
+                [
+                    f"checkpoint {prep.resume_from} was written with a different model or data "
+                    "config; use a new --log.run_dir or restore the original config"
+                ]
+            )
         start_step = int(client["step"])
         writer.truncate_after(start_step)
         if rank == 0:
@@ -173,21 +180,27 @@ def run(cfg: RootConfig, config_files: list[str]) -> dict:
         return evaluate(engine, _eval_batches(data, rank, prep.dp_size, micro), ds.all_reduce_sum, to_device)
 
     def save(step: int) -> None:
-        state = {"step": step, "samples_consumed": step * global_batch, "config_hash": chash,
-                 "world_size": world_size}
+        state = {"step": step, "samples_consumed": step * global_batch, "config_hash": chash, "world_size": world_size}
         checkpoint.save(engine, ckpt_root, step, state, rank, cfg.checkpoint.keep_last, ds.barrier)
 
     plan = LoopPlan(
-        start_step=start_step, max_steps=cfg.train.max_steps, stop_at=cfg.train.stop_at or cfg.train.max_steps,
-        grad_accum=accum, global_batch=global_batch,
-        seq_len=cfg.data.seq_len, log_interval=cfg.train.log_interval, eval_interval=cfg.train.eval_interval,
+        start_step=start_step,
+        max_steps=cfg.train.max_steps,
+        stop_at=cfg.train.stop_at or cfg.train.max_steps,
+        grad_accum=accum,
+        global_batch=global_batch,
+        seq_len=cfg.data.seq_len,
+        log_interval=cfg.train.log_interval,
+        eval_interval=cfg.train.eval_interval,
         ckpt_interval=cfg.checkpoint.interval,
         flops_per_token=flops_per_token(n_params, cfg.model.n_layer, cfg.model.d_model, cfg.data.seq_len),
         peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if gpu else None,
-        world_size=world_size, rank=rank,
+        world_size=world_size,
+        rank=rank,
     )
-    result = fit(engine, plan, train_batch, run_eval, save, writer, ds.all_reduce_sum, to_device,
-                 progress=cfg.log.progress)
+    result = fit(
+        engine, plan, train_batch, run_eval, save, writer, ds.all_reduce_sum, to_device, progress=cfg.log.progress
+    )
     summary = {}
     if rank == 0:
         summary = _summarise(cfg, data, metrics_path, result, n_params, time.time() - started)
@@ -196,8 +209,9 @@ def run(cfg: RootConfig, config_files: list[str]) -> dict:
     return summary
 
 
-def _summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict, n_params: int,
-               wall_s: float) -> dict:
+def _summarise(
+    cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict, n_params: int, wall_s: float
+) -> dict:
     """Held-out bits/base next to Markov baselines, throughput and wall time; printed and saved."""
     rows = read_metrics(metrics_path)
     train_rows = [r for r in rows if "split" not in r]
@@ -206,8 +220,9 @@ def _summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dic
     heldout_pairs = data.heldout_tokens()
     w = cfg.data.eval_softmask_weight
     heldout_weights = [np.where(mask, w, 1.0) for _, mask in heldout_pairs]
-    baselines = markov_bits_per_base([t for t, _ in train_pairs], [t for t, _ in heldout_pairs],
-                                     heldout_weights=heldout_weights)
+    baselines = markov_bits_per_base(
+        [t for t, _ in train_pairs], [t for t, _ in heldout_pairs], heldout_weights=heldout_weights
+    )
     best_k = min(baselines, key=baselines.get)
     final_eval = eval_rows[-1] if eval_rows else result.get("eval", {})
     tps = [r["tokens_per_s"] for r in train_rows[1:]] or [r["tokens_per_s"] for r in train_rows]

@@ -11,7 +11,6 @@ import os
 import platform
 import subprocess
 from importlib import metadata
-from typing import Optional
 
 import yaml
 
@@ -32,21 +31,28 @@ def write_json(path: str, data) -> None:
     atomic_write(path, json.dumps(data, indent=2) + "\n")
 
 
-def _version(dist: str) -> Optional[str]:
+def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
 
 
-def git_commit() -> Optional[str]:
+def git_commit() -> str | None:
     """The commit of the megagenome checkout, with '+dirty' when it has uncommitted changes."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("+dirty" if dirty else "")

@@ -47,14 +47,23 @@ def write_yaml(path: pathlib.Path, data: dict) -> str:
 
 def cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """`python -m megagenome ARGS` in a single process."""
-    return subprocess.run([PYTHON, "-m", "megagenome", *args], cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [PYTHON, "-m", "megagenome", *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def launch(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N --module megagenome ARGS`: the real launcher, CPU ranks on gloo."""
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), "--module",
-           "megagenome", *args]
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "megagenome",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -63,9 +72,17 @@ def tiny_config(tmp: pathlib.Path, fasta: str, run_dir: pathlib.Path, **override
     cfg = {
         "model": {"d_model": 32, "n_layer": 2, "n_head": 2, "max_seq_len": 128},
         "data": {"fasta": fasta, "seq_len": 64, "val_ranges": ["NC_001422.1:4301-5386"], "eval_windows": 8},
-        "train": {"ds_config": str(REPO / "ds_configs" / "zero0_fp32.json"), "micro_batch_size": 2,
-                  "max_steps": 6, "warmup_steps": 2, "log_interval": 1, "eval_interval": 3, "lr": 3e-3,
-                  "min_lr": 3e-4, "num_threads": 1},
+        "train": {
+            "ds_config": str(REPO / "ds_configs" / "zero0_fp32.json"),
+            "micro_batch_size": 2,
+            "max_steps": 6,
+            "warmup_steps": 2,
+            "log_interval": 1,
+            "eval_interval": 3,
+            "lr": 3e-3,
+            "min_lr": 3e-4,
+            "num_threads": 1,
+        },
         "checkpoint": {"interval": 3, "resume": "auto"},
         "log": {"run_dir": str(run_dir), "progress": False},
     }

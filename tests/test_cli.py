@@ -103,8 +103,14 @@ def test_bad_ds_json_reports_line_and_column(tmp_path):
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
     bad = tmp_path / "ds.json"
     bad.write_text('{"zero_optimization": {"stage": 1}\n "bf16": {}}')
-    cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
-                        "--train.ds_config", str(bad)])
+    cfg, files = parse(
+        [
+            "--config",
+            write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
+            "--train.ds_config",
+            str(bad),
+        ]
+    )
     with pytest.raises(ConfigError, match=r"ds.json:2:2: not valid JSON"):
         prepare(cfg, files, world_size=1)
 
@@ -124,8 +130,14 @@ def test_resume_dir_without_complete_checkpoint_is_refused(tmp_path):
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
     half = tmp_path / "old" / "checkpoints" / "step_00000003"
     half.mkdir(parents=True)  # a save that never finished: no COMPLETE marker
-    cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
-                        "--checkpoint.resume", str(tmp_path / "old")])
+    cfg, files = parse(
+        [
+            "--config",
+            write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
+            "--checkpoint.resume",
+            str(tmp_path / "old"),
+        ]
+    )
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         prepare(cfg, files, world_size=1)
 
@@ -133,8 +145,14 @@ def test_resume_dir_without_complete_checkpoint_is_refused(tmp_path):
 def test_fresh_start_refuses_to_overwrite_checkpoints(tmp_path):
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
     (tmp_path / "run" / "checkpoints" / "step_00000003").mkdir(parents=True)
-    cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
-                        "--checkpoint.resume", "none"])
+    cfg, files = parse(
+        [
+            "--config",
+            write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run")),
+            "--checkpoint.resume",
+            "none",
+        ]
+    )
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         prepare(cfg, files, world_size=1)
 

@@ -5,7 +5,13 @@ import json
 import pytest
 
 from megagenome.config import (
-    RootConfig, batch_sizes, config_hash, d_ff, parse_region, validate, yaml_line,
+    RootConfig,
+    batch_sizes,
+    config_hash,
+    d_ff,
+    parse_region,
+    validate,
+    yaml_line,
 )
 from megagenome.train.engine import DSConfigError, build_ds_config, check_ds_config, load_ds_json
 
@@ -31,8 +37,10 @@ def test_every_problem_is_reported_at_once():
     assert len(problems) == 3, problems
     assert "--model.d_model=100 is not divisible by --model.n_head=3" in text
     assert "--data.seq_len=4096 is above the model's maximum --model.max_seq_len=1024" in text
-    assert "--train.global_batch_size=20 is not --train.micro_batch_size=8 x --train.grad_accum_steps=1 x " \
-           "data-parallel size 2 = 16" in text
+    assert (
+        "--train.global_batch_size=20 is not --train.micro_batch_size=8 x --train.grad_accum_steps=1 x "
+        "data-parallel size 2 = 16" in text
+    )
 
 
 def test_batch_arithmetic_is_one_identity():
@@ -96,8 +104,11 @@ def test_ds_json_syntax_error_names_line_and_column(tmp_path):
 
 
 def test_ds_json_unknown_keys_rejected_at_every_level():
-    ds = {"zero_optimisation": {"stage": 1}, "zero_optimization": {"stage": 1, "bucket": 3},
-          "bf16": {"enabled": True, "enable": 1}}
+    ds = {
+        "zero_optimisation": {"stage": 1},
+        "zero_optimization": {"stage": 1, "bucket": 3},
+        "bf16": {"enabled": True, "enable": 1},
+    }
     problems = check_ds_config(ds, "z.json", "run.yaml", on_gpu=False)
     text = "\n".join(problems)
     assert "unknown DeepSpeed key 'zero_optimisation' (did you mean 'zero_optimization'?)" in text

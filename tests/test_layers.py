@@ -8,14 +8,29 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "megagenome"
 # Layer of each module (path relative to the package, without .py). Higher layers may import lower ones.
 LAYERS = {
     "config": 0,
-    "metrics": 1, "record": 1, "data": 1, "model": 1, "parallel/state": 1, "parallel/tensor_parallel": 1,
-    "train": 2, "parallel": 1, "train/engine": 2, "parallel/pipeline": 2,
-    "train/loop": 3, "train/checkpoint": 3,
-    "pretrain": 4, "prepare": 4,
-    "cli": 5, "__main__": 5, "__init__": 0,
+    "metrics": 1,
+    "record": 1,
+    "data": 1,
+    "model": 1,
+    "parallel/state": 1,
+    "parallel/tensor_parallel": 1,
+    "train": 2,
+    "parallel": 1,
+    "train/engine": 2,
+    "parallel/pipeline": 2,
+    "train/loop": 3,
+    "train/checkpoint": 3,
+    "pretrain": 4,
+    "prepare": 4,
+    "cli": 5,
+    "__main__": 5,
+    "__init__": 0,
 }
-SEAMS = {"deepspeed": {"train/engine", "parallel/pipeline"}, "flash_attn": {"model/attention"},
-         "pyfaidx": {"data/fasta"}}
+SEAMS = {
+    "deepspeed": {"train/engine", "parallel/pipeline"},
+    "flash_attn": {"model/attention"},
+    "pyfaidx": {"data/fasta"},
+}
 
 
 def layer_of(rel: str) -> int:
@@ -48,7 +63,7 @@ def test_imports_go_down_only():
         for name in imported(tree):
             if not name.startswith("megagenome."):
                 continue
-            target = name[len("megagenome."):].replace(".", "/")
+            target = name[len("megagenome.") :].replace(".", "/")
             if layer_of(target) > layer_of(rel):
                 bad.append(f"{rel} (L{layer_of(rel)}) imports {target} (L{layer_of(target)})")
     assert not bad, "\n".join(bad)
@@ -75,6 +90,12 @@ def test_heavy_dependencies_stay_in_their_seams():
 
 def test_config_imports_only_the_standard_library():
     tree = dict(modules())["config"]
-    third_party = {n.split(".")[0] for n in imported(tree)} - {"__future__", "dataclasses", "hashlib", "json", "re",
-                                                               "typing"}
+    third_party = {n.split(".")[0] for n in imported(tree)} - {
+        "__future__",
+        "dataclasses",
+        "hashlib",
+        "json",
+        "re",
+        "typing",
+    }
     assert not third_party, third_party

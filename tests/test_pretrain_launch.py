@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 def finished(run_dir, proc) -> list[dict]:
     """Rows of a run that must have finished; shows the run's output when it did not."""
     summary = os.path.join(run_dir, "summary.json")
-    assert os.path.exists(summary), f"run did not finish (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(summary), (
+        f"run did not finish (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
@@ -43,7 +45,8 @@ def uninterrupted(phix, tmp_path_factory):
 def test_two_rank_run_through_the_deepspeed_launcher(uninterrupted):
     run_dir, proc, rows = uninterrupted
     assert sorted(os.listdir(run_dir)) == sorted(
-        ["checkpoints", "config.yaml", "ds_config.json", "env.json", "metrics.jsonl", "split.json", "summary.json"])
+        ["checkpoints", "config.yaml", "ds_config.json", "env.json", "metrics.jsonl", "split.json", "summary.json"]
+    )
     env = json.loads((run_dir / "env.json").read_text())
     assert env["world_size"] == 2 and env["deepspeed"] == "0.19.8"
     ds = json.loads((run_dir / "ds_config.json").read_text())

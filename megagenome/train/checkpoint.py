@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import Optional
 
 import torch
 
@@ -36,7 +35,7 @@ def complete_tags(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest_complete(root: str) -> Optional[str]:
+def latest_complete(root: str) -> str | None:
     tags = complete_tags(root)
     return tags[-1][1] if tags else None
 
@@ -45,7 +44,7 @@ def has_any_checkpoint(root: str) -> bool:
     return os.path.isdir(root) and any(_TAG.match(n) for n in os.listdir(root))
 
 
-def resolve_resume(resume: str, root: str) -> Optional[str]:
+def resolve_resume(resume: str, root: str) -> str | None:
     """The checkpoint directory to load, or None to start fresh. Raises ValueError naming the flag."""
     if resume == "none":
         if has_any_checkpoint(root):
@@ -89,8 +88,9 @@ def save(engine, root: str, step: int, client_state: dict, rank: int, keep_last:
 def load(engine, path: str, rank: int) -> dict:
     """Restore engine state, this rank's RNG state, and return the client state saved with it."""
     root, tag = os.path.split(path.rstrip("/"))
-    loaded, client_state = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+    loaded, client_state = engine.load_checkpoint(
+        root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if loaded is None:
         raise ValueError(f"DeepSpeed could not load the checkpoint in {path}")
     rng_file = os.path.join(path, f"rng_rank{rank:05d}.pt")

@@ -14,25 +14,69 @@ import difflib
 import json
 import os
 import socket
-from typing import Any, Optional
+from typing import Any
 
 from megagenome.config import RootConfig, batch_sizes
 
 # Top-level keys DeepSpeed 0.19 reads. DeepSpeed silently ignores anything else, so a typo such as
 # "zero_optimisation" would train without ZeRO; we reject unknown keys instead.
-DS_TOP_LEVEL_KEYS = frozenset({
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-    "scheduler", "fp16", "bf16", "torch_autocast", "amp", "gradient_clipping", "prescale_gradients",
-    "gradient_predivide_factor", "gradient_allreduce_op", "communication_data_type",
-    "seq_parallel_communication_data_type", "zero_optimization", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "activation_checkpointing", "flops_profiler", "wall_clock_breakdown",
-    "memory_breakdown", "steps_per_print", "dump_state", "disable_allgather", "disable_python_gc",
-    "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "autotuning", "elasticity",
-    "data_efficiency", "curriculum_learning", "checkpoint", "data_types", "aio", "dataloader_drop_last",
-    "log_level", "pipeline", "hybrid_engine", "compile", "timers", "tensor_parallel", "expert_parallel",
-    "weight_quantization", "compression_training", "sparse_attention", "sparse_gradients", "nebula",
-    "managed_gradient_accumulation", "use_data_before_expert_parallelism",
-})
+DS_TOP_LEVEL_KEYS = frozenset(
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer",
+        "scheduler",
+        "fp16",
+        "bf16",
+        "torch_autocast",
+        "amp",
+        "gradient_clipping",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "gradient_allreduce_op",
+        "communication_data_type",
+        "seq_parallel_communication_data_type",
+        "zero_optimization",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "activation_checkpointing",
+        "flops_profiler",
+        "wall_clock_breakdown",
+        "memory_breakdown",
+        "steps_per_print",
+        "dump_state",
+        "disable_allgather",
+        "disable_python_gc",
+        "comms_logger",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "autotuning",
+        "elasticity",
+        "data_efficiency",
+        "curriculum_learning",
+        "checkpoint",
+        "data_types",
+        "aio",
+        "dataloader_drop_last",
+        "log_level",
+        "pipeline",
+        "hybrid_engine",
+        "compile",
+        "timers",
+        "tensor_parallel",
+        "expert_parallel",
+        "weight_quantization",
+        "compression_training",
+        "sparse_attention",
+        "sparse_gradients",
+        "nebula",
+        "managed_gradient_accumulation",
+        "use_data_before_expert_parallelism",
+    }
+)
 
 # Keys the run config writes into the merged dict, with the flag that owns each.
 ROOT_OWNED_KEYS = {
@@ -44,15 +88,39 @@ ROOT_OWNED_KEYS = {
     "scheduler": "--train.warmup_steps / --train.max_steps / --train.min_lr",
 }
 
-ACTIVATION_CHECKPOINTING_KEYS = frozenset({
-    "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
-    "synchronize_checkpoint_boundary", "profile",
-})
+ACTIVATION_CHECKPOINTING_KEYS = frozenset(
+    {
+        "partition_activations",
+        "contiguous_memory_optimization",
+        "cpu_checkpointing",
+        "number_checkpoints",
+        "synchronize_checkpoint_boundary",
+        "profile",
+    }
+)
 PRECISION_KEYS = {
-    "bf16": frozenset({"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
-                       "bf16_optimizer_states"}),
-    "fp16": frozenset({"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
-                       "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}),
+    "bf16": frozenset(
+        {
+            "enabled",
+            "immediate_grad_update",
+            "check_grad_overflow",
+            "bf16_master_weights_and_grads",
+            "bf16_optimizer_states",
+        }
+    ),
+    "fp16": frozenset(
+        {
+            "enabled",
+            "auto_cast",
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "consecutive_hysteresis",
+            "min_loss_scale",
+            "fp16_master_weights_and_grads",
+        }
+    ),
 }
 
 
@@ -115,8 +183,7 @@ def check_ds_config(ds: dict, path: str, run_config_path: str, on_gpu: bool) -> 
         problems.append(f"{path}: bf16.enabled and fp16.enabled cannot both be true")
     if ds.get("fp16", {}).get("enabled") and not on_gpu:
         problems.append(
-            f"{path}: fp16.enabled needs a GPU; DeepSpeed's CPU accelerator cannot run fp16 "
-            "(use a bf16 JSON on CPU)"
+            f"{path}: fp16.enabled needs a GPU; DeepSpeed's CPU accelerator cannot run fp16 (use a bf16 JSON on CPU)"
         )
     ac = ds.get("activation_checkpointing")
     if isinstance(ac, dict):
@@ -131,22 +198,34 @@ def build_ds_config(cfg: RootConfig, ds: dict, dp_size: int, on_gpu: bool) -> di
     merged = json.loads(json.dumps(ds))  # deep copy; the JSON file's dict is never mutated
     merged.setdefault("steps_per_print", 10**9)  # our loop does the logging
     torch_adam = (not on_gpu) if t.torch_adam is None else t.torch_adam
-    merged.update({
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "train_batch_size": global_batch,
-        "gradient_clipping": t.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.adam_eps,
-                       "weight_decay": t.weight_decay, "torch_adam": torch_adam},
-        },
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {"total_num_steps": t.max_steps, "warmup_num_steps": max(1, t.warmup_steps),
-                       "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": t.min_lr / t.lr},
-        },
-    })
+    merged.update(
+        {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accum,
+            "train_batch_size": global_batch,
+            "gradient_clipping": t.grad_clip,
+            "optimizer": {
+                "type": "AdamW",
+                "params": {
+                    "lr": t.lr,
+                    "betas": [t.beta1, t.beta2],
+                    "eps": t.adam_eps,
+                    "weight_decay": t.weight_decay,
+                    "torch_adam": torch_adam,
+                },
+            },
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "params": {
+                    "total_num_steps": t.max_steps,
+                    "warmup_num_steps": max(1, t.warmup_steps),
+                    "warmup_type": "linear",
+                    "warmup_min_ratio": 0.0,
+                    "cos_min_ratio": t.min_lr / t.lr,
+                },
+            },
+        }
+    )
     return merged
 
 
@@ -172,8 +251,7 @@ def init_distributed() -> tuple[int, int, int]:
         # The shared-memory comm op only serves inference all-reduce, and building it needs a
         # C++ toolchain and ~25 s at every start; training on gloo does not use it.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                               auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), auto_mpi_discovery=False)
     import torch.distributed as dist
 
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -31,7 +31,7 @@ class LoopPlan:
     eval_interval: int
     ckpt_interval: int
     flops_per_token: float
-    peak_tflops: Optional[float]
+    peak_tflops: float | None
     world_size: int
     rank: int
 
@@ -43,8 +43,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def evaluate(engine, batches: Iterable[dict], reduce_sum: Callable[[list[float]], list[float]],
-             to_device: Callable[[dict], dict]) -> dict:
+def evaluate(
+    engine, batches: Iterable[dict], reduce_sum: Callable[[list[float]], list[float]], to_device: Callable[[dict], dict]
+) -> dict:
     """Held-out loss (nats) and bits per base over every rank's share of the eval windows."""
     engine.eval()
     nll, weight = 0.0, 0.0
@@ -58,15 +59,28 @@ def evaluate(engine, batches: Iterable[dict], reduce_sum: Callable[[list[float]]
     return {"loss": nll / max(weight, 1e-12), "bits_per_base": bits_per_base(nll, weight), "bases": int(weight)}
 
 
-def fit(engine, plan: LoopPlan, train_batch: Callable[[int, int], dict], run_eval: Callable[[], dict],
-        save_checkpoint: Callable[[int], None], writer: MetricsWriter,
-        reduce_sum: Callable[[list[float]], list[float]], to_device: Callable[[dict], dict],
-        progress: bool) -> dict:
+def fit(
+    engine,
+    plan: LoopPlan,
+    train_batch: Callable[[int, int], dict],
+    run_eval: Callable[[], dict],
+    save_checkpoint: Callable[[int], None],
+    writer: MetricsWriter,
+    reduce_sum: Callable[[list[float]], list[float]],
+    to_device: Callable[[dict], dict],
+    progress: bool,
+) -> dict:
     """Train from plan.start_step to plan.max_steps; returns the last logged train row and eval row."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=plan.max_steps, initial=plan.start_step, desc="pretrain", unit="step", dynamic_ncols=True,
-               disable=not (progress and plan.rank == 0))
+    bar = tqdm(
+        total=plan.max_steps,
+        initial=plan.start_step,
+        desc="pretrain",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not (progress and plan.rank == 0),
+    )
     device = engine.device
     tokens_per_step = plan.global_batch * plan.seq_len
     last_train: dict = {}
@@ -134,7 +148,7 @@ def _grad_norm(module: torch.nn.Module) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
-def _loss_scale(engine) -> Optional[float]:
+def _loss_scale(engine) -> float | None:
     if not engine.fp16_enabled():
         return None
     scale = getattr(engine.optimizer, "cur_scale", None)

@@ -1,0 +1,188 @@
+"""Pretraining throughput and learning speed on this machine, through the real `deepspeed` launcher.
+
+Measures, in one invocation:
+  1. tokens/s of configs/tiny.yaml and of a ~20M-parameter shape (d_model 512, 6 layers) on the same
+     ranks, as the median over logged intervals after the first (warm-up) interval;
+  2. the steps the tiny model needs before its held-out bits/base drops below each order-k Markov
+     baseline (k = 0..8), from a full tiny run evaluated every --eval_every steps.
+
+Writes benchmarks/results/pretrain_cpu.{json,md} with the date, the hardware and the command.
+
+    python benchmarks/pretrain_cpu.py [--nproc 2] [--tiny_steps 600] [--eval_every 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def launch(nproc: int, run_dir: pathlib.Path, *overrides: str) -> None:
+    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    cmd = [
+        "bash",
+        str(REPO / "launch" / "local.sh"),
+        "--config",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--log.run_dir",
+        str(run_dir),
+        "--log.progress",
+        "false",
+        "--checkpoint.resume",
+        "none",
+        *overrides,
+    ]
+    env["NPROC"] = str(nproc)
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+
+
+def rows(run_dir: pathlib.Path) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def throughput(run_dir: pathlib.Path) -> float:
+    train = [r for r in rows(run_dir) if "split" not in r]
+    return statistics.median(r["tokens_per_s"] for r in train[1:])
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=2, help="CPU ranks")
+    ap.add_argument("--tiny_steps", type=int, default=600, help="steps of the full tiny run (configs/tiny.yaml: 600)")
+    ap.add_argument("--eval_every", type=int, default=50, help="evaluation interval of the full tiny run")
+    args = ap.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="mg-bench-"))
+    try:
+        shapes = {
+            "tiny (configs/tiny.yaml)": [],
+            "~20M (d_model 512, 6 layers, 8 heads)": [
+                "--model.d_model",
+                "512",
+                "--model.n_layer",
+                "6",
+                "--model.n_head",
+                "8",
+                "--train.micro_batch_size",
+                "2",
+            ],
+        }
+        speed = {}
+        for name, extra in shapes.items():
+            run_dir = work / f"speed{len(speed)}"
+            launch(
+                args.nproc,
+                run_dir,
+                "--train.max_steps",
+                "12",
+                "--train.warmup_steps",
+                "2",
+                "--train.log_interval",
+                "3",
+                "--train.eval_interval",
+                "0",
+                "--data.eval_windows",
+                "2",
+                *extra,
+            )
+            summary = json.loads((run_dir / "summary.json").read_text())
+            speed[name] = {
+                "parameters": summary["parameters"],
+                "tokens_per_s": throughput(run_dir),
+                "tokens_per_step": json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] * 512,
+            }
+        full = work / "full"
+        launch(
+            args.nproc,
+            full,
+            "--train.max_steps",
+            str(args.tiny_steps),
+            "--train.eval_interval",
+            str(args.eval_every),
+            "--checkpoint.interval",
+            "0",
+        )
+        summary = json.loads((full / "summary.json").read_text())
+        evals = [r for r in rows(full) if r.get("split") == "val"]
+        beat = {}
+        for k, bits in summary["markov_bits_per_base"].items():
+            first = next((r["step"] for r in evals if r["bits_per_base"] < bits), None)
+            beat[k] = {"markov_bits_per_base": bits, "first_eval_step_below": first}
+        result = {
+            "date": datetime.date.today().isoformat(),
+            "hardware": f"{cpu_name()}, {os.cpu_count()} cores, no GPU",
+            "ranks": args.nproc,
+            "command": "python benchmarks/pretrain_cpu.py " + " ".join(sys.argv[1:]),
+            "throughput": speed,
+            "tiny_full_run": {
+                "steps": args.tiny_steps,
+                "eval_every": args.eval_every,
+                "wall_s": summary["wall_s"],
+                "final_heldout_bits_per_base": summary["heldout_bits_per_base"],
+                "eval_curve": [(r["step"], r["bits_per_base"]) for r in evals],
+                "steps_to_beat_markov": beat,
+            },
+        }
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "pretrain_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS / "pretrain_cpu.md").write_text(markdown(result))
+        print(markdown(result))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"# Pretraining on CPU: throughput and steps to beat Markov baselines ({r['date']})",
+        "",
+        f"Hardware: {r['hardware']}; {r['ranks']} ranks through the `deepspeed` launcher, ZeRO-1 bf16 "
+        "(ds_configs/zero1_bf16.json).",
+        f"Command: `{r['command']}`",
+        "",
+        "| model | parameters | tokens/step | tokens/s (all ranks, median) |",
+        "|---|---|---|---|",
+    ]
+    for name, s in r["throughput"].items():
+        lines.append(f"| {name} | {s['parameters']:,} | {s['tokens_per_step']:,} | {s['tokens_per_s']:,.0f} |")
+    f = r["tiny_full_run"]
+    lines += [
+        "",
+        f"Full tiny run: {f['steps']} steps, {f['wall_s']:.0f} s wall time (launch to summary), final "
+        f"held-out {f['final_heldout_bits_per_base']:.4f} bits/base; evaluated every {f['eval_every']} steps.",
+        "",
+        "| Markov order k | held-out bits/base | first eval step with the model below it |",
+        "|---|---|---|",
+    ]
+    for k, b in f["steps_to_beat_markov"].items():
+        step = b["first_eval_step_below"]
+        lines.append(
+            f"| {k} | {b['markov_bits_per_base']:.4f} | {step if step is not None else 'not within the run'} |"
+        )
+    lines += ["", "Eval curve (step, bits/base): " + ", ".join(f"({s}, {b:.4f})" for s, b in f["eval_curve"]), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
