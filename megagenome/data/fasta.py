@@ -11,6 +11,8 @@ offsets, which only BGZF's independent blocks allow.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import hashlib
 import os
@@ -212,6 +214,23 @@ def _index_paths(path: str, index_dir: str | None) -> tuple[str | None, str | No
     return base + ".fai", base + ".gzi"
 
 
+@contextlib.contextmanager
+def _index_lock(fai: str):
+    """Serialise index building across the ranks of a node: every rank opens the same FASTA at start-up,
+    and without a lock two of them write the same .fai at once while a third reads it half-written."""
+    try:
+        handle = open(fai + ".lock", "a")  # noqa: SIM115 (held for the duration of the block)
+    except OSError:  # read-only directory: the index already exists there (see _index_paths)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 class Genome:
     """A validated FASTA file with random access; coordinates are 0-based and half-open, case is kept.
 
@@ -224,15 +243,16 @@ class Genome:
         self.path = path
         fai, gzi = _index_paths(path, index_dir)
         try:
-            self._faidx = pyfaidx.Faidx(
-                path,
-                indexname=fai,
-                gzi_indexname=gzi,
-                as_raw=True,
-                sequence_always_upper=False,
-                strict_bounds=True,
-                one_based_attributes=False,
-            )
+            with _index_lock(fai or path + ".fai"):
+                self._faidx = pyfaidx.Faidx(
+                    path,
+                    indexname=fai,
+                    gzi_indexname=gzi,
+                    as_raw=True,
+                    sequence_always_upper=False,
+                    strict_bounds=True,
+                    one_based_attributes=False,
+                )
         except ImportError as e:
             # pyfaidx reads BGZF through Biopython's bgzf module and imports it only then.
             raise FastaError(f"{path}: reading BGZF needs Biopython (`pip install biopython`): {e}") from e
