@@ -20,6 +20,11 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 def pretrain_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="megagenome pretrain", description="Pretrain a DNA language model with DeepSpeed.")
     parser.add_argument("--config", action=ActionConfigFile, help="YAML run config (later files override earlier).")
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="Validate everything, print the final DeepSpeed dict and the launch command, and exit.",
+    )
     parser.add_class_arguments(RootConfig, nested_key=None, fail_untyped=True)
     return parser
 
@@ -57,14 +62,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parser.instantiate(ns).pretrain
         root = RootConfig(model=cfg.model, data=cfg.data, train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log)
         from megagenome import pretrain
+        from megagenome.train.loop import TrainingStopped
 
         try:
-            pretrain.run(root, config_files)
+            if sub_ns.get("dry_run"):
+                pretrain.dry_run(root, config_files, argv[1:])
+            else:
+                pretrain.run(root, config_files)
         except ConfigError as e:
             # Every rank validates and exits non-zero; one copy of the message is enough.
             if os.environ.get("RANK", "0") == "0":
                 print(f"megagenome pretrain: error: {e}", file=sys.stderr)
             return 2
+        except TrainingStopped as e:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"megagenome pretrain: stopped: {e}", file=sys.stderr)
+            return 3
         return 0
     parser.print_help()
     return 2

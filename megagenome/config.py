@@ -49,6 +49,12 @@ class ModelConfig:
     """clm: causal next-base prediction; mlm: bidirectional masked-base prediction (BERT-style)."""
     attention: Literal["auto", "sdpa", "flash"] = "auto"
     """Attention kernel: auto picks flash-attn on a CUDA device when it is installed, else PyTorch SDPA."""
+    checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
+    """Activation checkpointing policy: none; full (recompute every block); every_k (recompute segments of
+    --model.checkpoint_every blocks, keeping only segment inputs); selective (recompute only the attention
+    core, keep cheap ops such as norms and the MLP)."""
+    checkpoint_every: int = 2
+    """Blocks per recomputed segment with --model.checkpointing every_k."""
 
 
 @dataclass
@@ -87,9 +93,10 @@ class DataConfig:
 class TrainConfig:
     """Batch arithmetic, optimisation schedule and the DeepSpeed engine JSON."""
 
-    ds_config: str = "ds_configs/zero1_bf16.json"
-    """DeepSpeed JSON with the engine knobs (ZeRO, precision, ...). Batch, optimizer and scheduler keys
-    belong in this run config, not there."""
+    ds_config: str | list[str] = "ds_configs/zero1_bf16.json"
+    """DeepSpeed JSON with the engine knobs (ZeRO, precision, ...), or an ordered list of JSON fragments
+    merged deep (e.g. [ds_configs/zero2.json, ds_configs/bf16.json]); a leaf set differently by two fragments
+    is an error. Batch, optimizer and scheduler keys belong in this run config, not there."""
     micro_batch_size: int = 8
     """Windows per rank per forward/backward pass."""
     grad_accum_steps: int = 1
@@ -103,7 +110,12 @@ class TrainConfig:
     """End this invocation after this step with a checkpoint, keeping the schedule of --train.max_steps;
     continue later with --checkpoint.resume auto (for time-limited jobs)."""
     lr: float = 1e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (before --train.lr_scaling)."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale lr and min_lr with the global batch relative to --train.reference_batch: linear (x B/B_ref) or
+    sqrt (x sqrt(B/B_ref))."""
+    reference_batch: int | None = None
+    """Global batch size at which --train.lr was tuned; required when --train.lr_scaling is not none."""
     min_lr: float = 1e-4
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 100
@@ -118,6 +130,11 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    tf32: bool = True
+    """Allow TF32 tensor-core matmuls for fp32 work on Ampere or newer GPUs (no effect on CPU)."""
+    nvme_path: str | None = None
+    """Directory on a local NVMe drive for ZeRO-Infinity offload; required when the DeepSpeed JSON offloads to
+    device "nvme" (the shipped zero3_nvme.json leaves the path to this flag)."""
     torch_adam: bool | None = None
     """Use torch's AdamW instead of DeepSpeed's fused Adam; default: torch on CPU (no compiler needed), fused on GPU."""
     eval_interval: int = 100
@@ -198,6 +215,20 @@ def parse_region(text: str) -> Region:
     return Region(m["contig"], start - 1, end)
 
 
+def scaled_lr(train: TrainConfig, global_batch: int) -> tuple[float, float]:
+    """(lr, min_lr) after the --train.lr_scaling rule for this global batch."""
+    if train.lr_scaling == "none" or not train.reference_batch:
+        return train.lr, train.min_lr
+    ratio = global_batch / train.reference_batch
+    factor = ratio if train.lr_scaling == "linear" else ratio**0.5
+    return train.lr * factor, train.min_lr * factor
+
+
+def ds_config_files(train: TrainConfig) -> list[str]:
+    """--train.ds_config as a list of files, in merge order."""
+    return [train.ds_config] if isinstance(train.ds_config, str) else list(train.ds_config)
+
+
 def batch_sizes(train: TrainConfig, dp_size: int) -> tuple[int, int, int]:
     """(micro, accumulation, global): the one place where the batch identity is computed."""
     return train.micro_batch_size, train.grad_accum_steps, train.micro_batch_size * train.grad_accum_steps * dp_size
@@ -242,6 +273,10 @@ def validate(cfg: RootConfig, dp_size: int) -> list[str]:
             problems.append(
                 f"head size --model.d_model/--model.n_head={m.d_model // m.n_head} must be even for rotary embeddings"
             )
+    if m.checkpointing == "every_k" and not 0 < m.checkpoint_every <= max(m.n_layer, 1):
+        problems.append(
+            f"--model.checkpoint_every={m.checkpoint_every}: must be within [1, --model.n_layer={m.n_layer}]"
+        )
     if m.d_ff is not None and m.d_ff <= 0:
         problems.append(f"--model.d_ff={m.d_ff}: must be positive")
     if d.seq_len > m.max_seq_len:
@@ -277,6 +312,10 @@ def validate(cfg: RootConfig, dp_size: int) -> list[str]:
         problems.append(f"--train.min_lr={t.min_lr}: must be within [0, --train.lr={t.lr}]")
     if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
         problems.append(f"--train.warmup_steps={t.warmup_steps}: must be within [0, --train.max_steps={t.max_steps}]")
+    if t.lr_scaling != "none" and (t.reference_batch is None or t.reference_batch <= 0):
+        problems.append(f"--train.lr_scaling={t.lr_scaling} needs a positive --train.reference_batch")
+    if not t.ds_config:
+        problems.append("--train.ds_config must name at least one DeepSpeed JSON file")
     if t.grad_clip < 0:
         problems.append(f"--train.grad_clip={t.grad_clip}: must be non-negative (0 disables clipping)")
     if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):

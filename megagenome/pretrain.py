@@ -7,9 +7,11 @@ records are written, the engine is built, training runs, and a summary closes th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import shlex
 import socket
 import sys
 import time
@@ -18,7 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megagenome.config import ConfigError, RootConfig, batch_sizes, config_hash, to_dict, validate, yaml_line
+from megagenome.config import (
+    ConfigError,
+    RootConfig,
+    batch_sizes,
+    config_hash,
+    ds_config_files,
+    to_dict,
+    validate,
+    yaml_line,
+)
 from megagenome.data.dataset import GenomeData, build_genome_data
 from megagenome.data.markov import markov_bits_per_base
 from megagenome.data.sampler import batch_indices
@@ -63,12 +74,13 @@ def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepar
     dp_size = world_size
     problems = _locate(validate(cfg, dp_size), config_files)
     source = config_files[-1] if config_files else "the command line"
-    ds_json: dict = {}
-    try:
-        ds_json = ds.load_ds_json(cfg.train.ds_config)
-        problems += ds.check_ds_config(ds_json, cfg.train.ds_config, source, ds.on_gpu())
-    except ValueError as e:
-        problems.append(str(e))
+    files = ds_config_files(cfg.train)
+    ds_json, sources, merge_problems = ds.merge_fragments(files)
+    problems += merge_problems
+    if not merge_problems:
+        label = " + ".join(files)
+        problems += ds.check_ds_config(ds_json, label, source, ds.on_gpu(), sources)
+        problems += ds.check_run_against_ds(cfg, ds_json, label)
     data = None
     if cfg.data.fasta and not any(p.startswith("--data.") for p in problems):
         try:
@@ -85,6 +97,23 @@ def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepar
             data.close()
         raise ConfigError(problems)
     return Prepared(ds_json, data, resume_from, dp_size)
+
+
+def dry_run(cfg: RootConfig, config_files: list[str], args: list[str]) -> dict:
+    """Validate as a real launch would, print the final DeepSpeed dict and the launch command; start nothing.
+
+    The world size is the launcher's (WORLD_SIZE) when set, else what launch/local.sh would start here:
+    every visible GPU, or 2 CPU ranks.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "0")) or (torch.cuda.device_count() or 2)
+    prep = prepare(cfg, config_files, world_size)
+    prep.data.close()
+    ds_config = ds.build_ds_config(cfg, prep.ds_json, prep.dp_size, ds.on_gpu())
+    shown = [a for a in args if a != "--dry_run"]
+    command = ["deepspeed", "--num_gpus", str(world_size), "--module", "megagenome", "pretrain", *shown]
+    print(json.dumps(ds_config, indent=2))
+    print(f"# world size {world_size}; launch with:\n{shlex.join(command)}")
+    return ds_config
 
 
 def _ckpt_root(cfg: RootConfig) -> str:
@@ -116,8 +145,12 @@ def _eval_batches(data: GenomeData, rank: int, dp_size: int, micro: int):
         yield batch
 
 
-def run(cfg: RootConfig, config_files: list[str]) -> dict:
-    """Validate, launch the engine, train, evaluate and summarise. Returns the summary dict."""
+def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = False) -> dict:
+    """Validate, launch the engine, train, evaluate and summarise. Returns the summary dict (rank 0).
+
+    keep_process_group leaves the process group up for another run in the same processes (tests and
+    benchmarks that run many short configurations); the CLI always tears it down.
+    """
     started = time.time()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     prep = prepare(cfg, config_files, world_size)
@@ -129,7 +162,11 @@ def run(cfg: RootConfig, config_files: list[str]) -> dict:
     model = DNATransformer(cfg.model, VOCAB_SIZE)
     n_params = model.num_parameters()
     gpu = ds.on_gpu()
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     ds_config = ds.build_ds_config(cfg, prep.ds_json, prep.dp_size, gpu)
+    model.set_checkpoint_function(ds.activation_checkpoint_function(ds_config))
     engine = ds.initialize(model, model.param_groups(cfg.train.weight_decay), ds_config)
     device = ds.device()
     torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout streams differ across data-parallel ranks
@@ -205,7 +242,10 @@ def run(cfg: RootConfig, config_files: list[str]) -> dict:
     if rank == 0:
         summary = _summarise(cfg, data, metrics_path, result, n_params, time.time() - started)
     data.close()
-    ds.shutdown()
+    if keep_process_group:
+        ds.barrier()
+    else:
+        ds.shutdown()
     return summary
 
 

@@ -73,7 +73,7 @@ def tiny_config(tmp: pathlib.Path, fasta: str, run_dir: pathlib.Path, **override
         "model": {"d_model": 32, "n_layer": 2, "n_head": 2, "max_seq_len": 128},
         "data": {"fasta": fasta, "seq_len": 64, "val_ranges": ["NC_001422.1:4301-5386"], "eval_windows": 8},
         "train": {
-            "ds_config": str(REPO / "ds_configs" / "zero0_fp32.json"),
+            "ds_config": str(REPO / "ds_configs" / "zero0.json"),
             "micro_batch_size": 2,
             "max_steps": 6,
             "warmup_steps": 2,

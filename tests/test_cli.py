@@ -59,7 +59,71 @@ def test_every_shipped_yaml_parses_and_validates(path, monkeypatch):
 def test_every_shipped_ds_json_is_accepted(path):
     from megagenome.train.engine import check_ds_config, load_ds_json
 
-    assert check_ds_config(load_ds_json(str(path)), str(path), "run.yaml", on_gpu=False) == []
+    ds = load_ds_json(str(path))
+    assert check_ds_config(ds, str(path), "run.yaml", on_gpu=True) == []
+    on_cpu = check_ds_config(ds, str(path), "run.yaml", on_gpu=False)
+    if path.name.startswith("fp16"):
+        assert len(on_cpu) == 1 and "fp16.enabled needs a GPU" in on_cpu[0]
+    else:
+        assert on_cpu == []
+
+
+def test_shipped_fragments_compose_through_the_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    fragments = "[ds_configs/zero2.json, ds_configs/bf16.json, ds_configs/activation_checkpointing.json]"
+    args = [
+        "pretrain",
+        "--config",
+        "configs/tiny.yaml",
+        "--train.ds_config",
+        fragments,
+        "--model.checkpointing",
+        "full",
+        "--log.run_dir",
+        str(tmp_path / "run"),
+        "--dry_run",
+    ]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    merged = json.loads(out[: out.index("# world size")])
+    assert merged["zero_optimization"]["stage"] == 2 and merged["bf16"]["enabled"] is True
+    assert merged["activation_checkpointing"]["partition_activations"] is False
+    assert merged["train_batch_size"] == 16  # 8 x 1 x 2 ranks, computed by the run config
+    assert "deepspeed --num_gpus 2 --module megagenome pretrain --config configs/tiny.yaml" in out
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+def test_conflicting_fragments_name_the_key_and_both_files(tmp_path):
+    from megagenome.train.engine import merge_fragments
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
+    b.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": True}, "bf16": {"enabled": True}}))
+    merged, sources, problems = merge_fragments([str(a), str(b)])
+    assert len(problems) == 1
+    assert "'zero_optimization.stage' is set to 2 in" in problems[0] and str(a) in problems[0] and str(b) in problems[0]
+    assert sources["bf16"] == str(b) and merged["bf16"] == {"enabled": True}
+
+
+def test_engine_knob_problems_need_the_run_config(tmp_path):
+    from megagenome.train.engine import check_ds_config, check_run_against_ds
+
+    cfg = RootConfig()
+    ac = {"activation_checkpointing": {"cpu_checkpointing": True}}
+    assert any("needs partition_activations" in p for p in check_ds_config(ac, "ac.json", "run.yaml", False))
+    assert any("--model.checkpointing=none" in p for p in check_run_against_ds(cfg, ac, "ac.json"))
+    cfg.model.checkpointing = "full"
+    assert check_run_against_ds(cfg, ac, "ac.json") == []
+    nvme = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
+    problems = check_run_against_ds(cfg, nvme, "zero3_nvme.json")
+    assert any("--train.nvme_path" in p for p in problems)
+    cfg.train.nvme_path = str(tmp_path)
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        assert check_run_against_ds(cfg, nvme, "zero3_nvme.json") == []
+    else:  # this machine has no libaio: the message says what to install
+        assert ["libaio" in p for p in check_run_against_ds(cfg, nvme, "zero3_nvme.json")] == [True]
 
 
 def test_cli_overrides_beat_yaml():

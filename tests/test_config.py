@@ -10,6 +10,7 @@ from megagenome.config import (
     config_hash,
     d_ff,
     parse_region,
+    scaled_lr,
     validate,
     yaml_line,
 )
@@ -56,6 +57,21 @@ def test_missing_split_and_fasta_are_named():
     problems = validate(RootConfig(), dp_size=1)
     assert any("--data.fasta is required" in p for p in problems)
     assert any("--data.val_contigs or --data.val_ranges" in p for p in problems)
+
+
+def test_lr_scaling_rules():
+    cfg = valid_config()
+    cfg.train.lr, cfg.train.min_lr = 1e-3, 1e-4
+    assert scaled_lr(cfg.train, 64) == (1e-3, 1e-4)
+    cfg.train.lr_scaling = "linear"
+    assert any("--train.reference_batch" in p for p in validate(cfg, 1))
+    cfg.train.reference_batch = 16
+    assert scaled_lr(cfg.train, 64) == pytest.approx((4e-3, 4e-4))
+    cfg.train.lr_scaling = "sqrt"
+    assert scaled_lr(cfg.train, 64) == pytest.approx((2e-3, 2e-4))
+    merged = build_ds_config(cfg, {}, dp_size=8, on_gpu=False)  # global batch 8 x 1 x 8 = 64
+    assert merged["optimizer"]["params"]["lr"] == pytest.approx(2e-3)
+    assert merged["scheduler"]["params"]["cos_min_ratio"] == pytest.approx(0.1)
 
 
 def test_region_parsing_is_one_based_inclusive():
@@ -112,8 +128,8 @@ def test_ds_json_unknown_keys_rejected_at_every_level():
     problems = check_ds_config(ds, "z.json", "run.yaml", on_gpu=False)
     text = "\n".join(problems)
     assert "unknown DeepSpeed key 'zero_optimisation' (did you mean 'zero_optimization'?)" in text
-    assert "zero_optimization.bucket" in text
-    assert "unknown DeepSpeed key bf16.'enable'" in text
+    assert "unknown DeepSpeed key 'zero_optimization.bucket'" in text
+    assert "unknown DeepSpeed key 'bf16.enable'" in text
 
 
 def test_root_owned_key_in_json_names_both_files():

@@ -8,6 +8,8 @@ local hidden width from the layers' outputs instead of assuming the full model w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,6 +82,13 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # Selective activation checkpointing: a checkpoint function (fn(function, *args)) that recomputes
+        # only the attention core in backward; its saved tensors are the largest per FLOP. None: keep them.
+        self.recompute_core: Callable | None = None
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout_p = self.dropout if self.training else 0.0
+        return attention(q, k, v, causal=self.causal, dropout_p=dropout_p, kernel=self.kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -87,8 +96,10 @@ class SelfAttention(nn.Module):
         qkv = qkv.permute(3, 0, 2, 1, 4)  # (3, B, n_head, T, head_dim)
         q, k, v = qkv.unbind(0)  # 3 x (B, n_head, T, head_dim)
         q, k = self.rotary(q), self.rotary(k)  # (B, n_head, T, head_dim)
-        dropout_p = self.dropout if self.training else 0.0
-        y = attention(q, k, v, causal=self.causal, dropout_p=dropout_p, kernel=self.kernel)  # (B, n_head, T, head_dim)
+        if self.recompute_core is not None and torch.is_grad_enabled():
+            y = self.recompute_core(self._core, q, k, v)  # (B, n_head, T, head_dim)
+        else:
+            y = self._core(q, k, v)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * head_dim)
         return self.proj(y)  # (B, T, d_model)
 

@@ -7,10 +7,13 @@ exact bits per base instead of averaging per-batch means.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from megagenome.config import ModelConfig
@@ -42,6 +45,7 @@ class DNATransformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
+        self.set_checkpoint_function(None)
         self.apply(self._init_weights)
         # GPT-2 rule: each block adds two residual branches, so scaling the projections that write
         # into the residual stream by 1/sqrt(2 * n_layer) keeps its variance independent of depth.
@@ -56,6 +60,30 @@ class DNATransformer(nn.Module):
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
 
+    def set_checkpoint_function(self, fn: Callable | None) -> None:
+        """Install the activation-checkpoint function fn(function, *args) used by --model.checkpointing.
+
+        None means torch.utils.checkpoint (non-reentrant); the training engine passes DeepSpeed's
+        checkpoint function instead when the DeepSpeed JSON has an activation_checkpointing block.
+        """
+        self._checkpoint = fn or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        selective = self.cfg.checkpointing == "selective"
+        for block in self.blocks:
+            block.attn.recompute_core = self._checkpoint if selective else None
+
+    def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The block stack under the checkpointing policy: full = segments of 1 block, every_k = of k."""
+        policy = self.cfg.checkpointing
+        if policy in ("none", "selective") or not torch.is_grad_enabled():
+            for block in self.blocks:
+                x = block(x)  # (B, T, d_model)
+            return x
+        size = 1 if policy == "full" else self.cfg.checkpoint_every
+        for start in range(0, len(self.blocks), size):
+            segment = functools.partial(_run_segment, self.blocks[start : start + size])
+            x = self._checkpoint(segment, x)  # (B, T, d_model); only the segment input is kept
+        return x
+
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token (clm) or masked-token (mlm) logits, (B, T, vocab_size), in the model's dtype."""
         T = input_ids.size(1)  # input_ids: (B, T)
@@ -65,8 +93,7 @@ class DNATransformer(nn.Module):
                 "(the rotary tables end there); raise it or shorten --data.seq_len"
             )
         x = self.embed(input_ids)  # (B, T, d_model)
-        for block in self.blocks:
-            x = block(x)  # (B, T, d_model)
+        x = self._run_blocks(x)  # (B, T, d_model)
         x = self.norm(x)  # (B, T, d_model)
         # Padded vocabulary columns are never valid targets; slicing them off keeps them out of the softmax.
         return self.lm_head(x)[..., : self.vocab_size]  # (B, T, vocab_size)
@@ -108,3 +135,9 @@ class DNATransformer(nn.Module):
             if p.requires_grad:
                 (decay if p.dim() >= 2 else no_decay).append(p)
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _run_segment(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)  # (B, T, d_model)
+    return x

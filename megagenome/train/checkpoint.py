@@ -73,6 +73,8 @@ def save(engine, root: str, step: int, client_state: dict, rank: int, keep_last:
     """Save a checkpoint for `step` on every rank, then mark it complete and prune old ones (rank 0)."""
     tag = tag_for(step)
     path = os.path.join(root, tag)
+    if os.path.exists(os.path.join(path, MARKER)):
+        return path  # already saved (e.g. a stop right after a periodic checkpoint)
     engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
     torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank:05d}.pt"))
     barrier()

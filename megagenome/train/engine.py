@@ -16,7 +16,7 @@ import os
 import socket
 from typing import Any
 
-from megagenome.config import RootConfig, batch_sizes
+from megagenome.config import RootConfig, batch_sizes, scaled_lr
 
 # Top-level keys DeepSpeed 0.19 reads. DeepSpeed silently ignores anything else, so a typo such as
 # "zero_optimisation" would train without ZeRO; we reject unknown keys instead.
@@ -98,30 +98,6 @@ ACTIVATION_CHECKPOINTING_KEYS = frozenset(
         "profile",
     }
 )
-PRECISION_KEYS = {
-    "bf16": frozenset(
-        {
-            "enabled",
-            "immediate_grad_update",
-            "check_grad_overflow",
-            "bf16_master_weights_and_grads",
-            "bf16_optimizer_states",
-        }
-    ),
-    "fp16": frozenset(
-        {
-            "enabled",
-            "auto_cast",
-            "loss_scale",
-            "initial_scale_power",
-            "loss_scale_window",
-            "hysteresis",
-            "consecutive_hysteresis",
-            "min_loss_scale",
-            "fp16_master_weights_and_grads",
-        }
-    ),
-}
 
 
 class DSConfigError(ValueError):
@@ -144,6 +120,46 @@ def load_ds_json(path: str) -> dict:
     return value
 
 
+def merge_fragments(paths: list[str]) -> tuple[dict, dict[str, str], list[str]]:
+    """Deep-merge JSON fragments in order. Returns (merged, source file of each top-level key, problems).
+
+    Objects merge key by key; a leaf (or a leaf against an object) set to different values by two files is
+    a conflict reported with the key path and both files, never a silent win for the later file.
+    """
+    merged: dict = {}
+    origin: dict[str, str] = {}  # dotted key path -> file that set it
+    problems: list[str] = []
+
+    def merge(into: dict, new: dict, path: str, prefix: str) -> None:
+        for key, value in new.items():
+            dotted = f"{prefix}{key}"
+            if key not in into:
+                into[key] = json.loads(json.dumps(value))
+                _record(origin, value, dotted, path)
+            elif isinstance(into[key], dict) and isinstance(value, dict):
+                merge(into[key], value, path, dotted + ".")
+            elif into[key] != value:
+                problems.append(
+                    f"{dotted!r} is set to {into[key]!r} in {origin.get(dotted, '?')} and to {value!r} in {path}; "
+                    "the fragments of --train.ds_config must not disagree"
+                )
+
+    for path in paths:
+        try:
+            merge(merged, load_ds_json(path), path, "")
+        except DSConfigError as e:
+            problems.append(str(e))
+    top = {key.split(".")[0]: src for key, src in origin.items()}
+    return merged, top, problems
+
+
+def _record(origin: dict[str, str], value, dotted: str, path: str) -> None:
+    origin[dotted] = path
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _record(origin, inner, f"{dotted}.{key}", path)
+
+
 def _unknown(keys, allowed, where: str, path: str) -> list[str]:
     problems = []
     for key in keys:
@@ -154,41 +170,138 @@ def _unknown(keys, allowed, where: str, path: str) -> list[str]:
     return problems
 
 
-def check_ds_config(ds: dict, path: str, run_config_path: str, on_gpu: bool) -> list[str]:
-    """Every problem with a DeepSpeed JSON, before any process group exists."""
-    problems = _unknown(ds, DS_TOP_LEVEL_KEYS, "", path)
+def _pydantic_problems(model_cls, section: str, value, path: str) -> list[str]:
+    """Validate one section with DeepSpeed's own pydantic model (it forbids unknown keys)."""
+    from pydantic import ValidationError
+
+    if not isinstance(value, dict):
+        return [f"{path}: {section!r} must be an object"]
+    try:
+        model_cls(**value)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = f"{section}.{'.'.join(str(p) for p in err['loc'])}"
+            if err["type"] == "extra_forbidden":
+                problems.append(f"{path}: unknown DeepSpeed key {loc!r}")
+            else:
+                problems.append(f"{path}: {loc}: {err['msg']}")
+        return problems
+    except (ValueError, TypeError, AssertionError) as e:
+        return [f"{path}: {section}: {e}"]
+    return []
+
+
+def check_ds_config(
+    ds: dict, path: str, run_config_path: str, on_gpu: bool, sources: dict[str, str] | None = None
+) -> list[str]:
+    """Every problem with a (merged) DeepSpeed dict, before any process group exists.
+
+    `sources` maps each top-level key to the fragment that set it, so messages name the right file.
+    """
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    def src(key: str) -> str:
+        return (sources or {}).get(key, path)
+
+    problems = []
+    for key in ds:
+        problems += _unknown([key], DS_TOP_LEVEL_KEYS, "", src(key))
     for key, flag in ROOT_OWNED_KEYS.items():
         if key in ds:
             problems.append(
-                f"{key!r} is set in both {path} and the run config {run_config_path} ({flag}); "
+                f"{key!r} is set in both {src(key)} and the run config {run_config_path} ({flag}); "
                 "the run config owns it: remove it from the JSON"
             )
-    zero = ds.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        problems.append(f"{path}: 'zero_optimization' must be an object")
-    else:
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-        from pydantic import ValidationError
-
-        try:
-            DeepSpeedZeroConfig(**zero)
-        except ValidationError as e:
-            for err in e.errors():
-                loc = ".".join(str(p) for p in err["loc"])
-                problems.append(f"{path}: zero_optimization.{loc}: {err['msg']}")
-    for section, allowed in PRECISION_KEYS.items():
-        if isinstance(ds.get(section), dict):
-            problems += _unknown(ds[section], allowed, f"{section}.", path)
-    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
-        problems.append(f"{path}: bf16.enabled and fp16.enabled cannot both be true")
-    if ds.get("fp16", {}).get("enabled") and not on_gpu:
+    for section, model_cls in [
+        ("zero_optimization", DeepSpeedZeroConfig),
+        ("bf16", DeepSpeedBF16Config),
+        ("fp16", DeepSpeedFP16Config),
+    ]:
+        if section in ds:
+            problems += _pydantic_problems(model_cls, section, ds[section], src(section))
+    if _enabled(ds, "bf16") and _enabled(ds, "fp16"):
+        problems.append(f"{src('bf16')} and {src('fp16')}: bf16.enabled and fp16.enabled cannot both be true")
+    if _enabled(ds, "fp16") and not on_gpu:
         problems.append(
-            f"{path}: fp16.enabled needs a GPU; DeepSpeed's CPU accelerator cannot run fp16 (use a bf16 JSON on CPU)"
+            f"{src('fp16')}: fp16.enabled needs a GPU; DeepSpeed's CPU accelerator cannot run fp16 "
+            '("Type fp16 is not supported on your device"); use ds_configs/bf16.json on CPU'
         )
     ac = ds.get("activation_checkpointing")
-    if isinstance(ac, dict):
-        problems += _unknown(ac, ACTIVATION_CHECKPOINTING_KEYS, "activation_checkpointing.", path)
+    if ac is not None:
+        where = src("activation_checkpointing")
+        if not isinstance(ac, dict):
+            problems.append(f"{where}: 'activation_checkpointing' must be an object")
+        else:
+            problems += _unknown(ac, ACTIVATION_CHECKPOINTING_KEYS, "activation_checkpointing.", where)
+            if ac.get("cpu_checkpointing") and not ac.get("partition_activations"):
+                problems.append(
+                    f"{where}: activation_checkpointing.cpu_checkpointing needs partition_activations: true "
+                    "(DeepSpeed silently mishandles it otherwise)"
+                )
+            if ac.get("contiguous_memory_optimization") and not (
+                ac.get("partition_activations") and ac.get("number_checkpoints")
+            ):
+                problems.append(
+                    f"{where}: activation_checkpointing.contiguous_memory_optimization needs partition_activations: "
+                    "true and number_checkpoints (the number of checkpointed segments)"
+                )
     return problems
+
+
+def _enabled(ds: dict, section: str) -> bool:
+    value = ds.get(section)
+    return isinstance(value, dict) and bool(value.get("enabled"))
+
+
+def offload_devices(ds: dict) -> set[str]:
+    """Devices ("cpu", "nvme") that ZeRO offloads parameters or optimizer states to."""
+    zero = ds.get("zero_optimization") or {}
+    return {
+        (zero.get(k) or {}).get("device", "none")
+        for k in ("offload_param", "offload_optimizer")
+        if isinstance(zero.get(k), dict)
+    } - {"none"}
+
+
+def check_run_against_ds(cfg: RootConfig, ds: dict, path: str) -> list[str]:
+    """Problems that need both the run config and the DeepSpeed dict."""
+    problems = []
+    has_ac = "activation_checkpointing" in ds
+    if has_ac and cfg.model.checkpointing == "none":
+        problems.append(
+            f"{path} configures activation_checkpointing but --model.checkpointing=none recomputes nothing; "
+            "choose full, every_k or selective"
+        )
+    if "nvme" in offload_devices(ds):
+        zero = ds.get("zero_optimization", {})
+        if any(
+            isinstance(zero.get(k), dict) and "nvme_path" in zero[k] for k in ("offload_param", "offload_optimizer")
+        ):
+            problems.append(
+                f"{path}: nvme_path is owned by the run config (--train.nvme_path); remove it from the JSON"
+            )
+        if not cfg.train.nvme_path:
+            problems.append(f"{path} offloads to NVMe: set --train.nvme_path to a directory on a local NVMe drive")
+        problems += nvme_problems()
+    return problems
+
+
+def nvme_problems() -> list[str]:
+    """Whether DeepSpeed's async I/O op (needed by ZeRO-Infinity NVMe offload) can be built here."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if AsyncIOBuilder().is_compatible(verbose=False):
+            return []
+    except Exception as e:  # an op builder that cannot even be imported is the same answer
+        return [f"NVMe offload needs DeepSpeed's async_io op, which cannot be loaded here: {e}"]
+    return [
+        "NVMe offload needs DeepSpeed's async_io op, which cannot be built here: install libaio "
+        "(Debian/Ubuntu: apt install libaio-dev; RHEL: yum install libaio-devel) and a C++ compiler, then "
+        "check with `ds_report`"
+    ]
 
 
 def build_ds_config(cfg: RootConfig, ds: dict, dp_size: int, on_gpu: bool) -> dict:
@@ -198,6 +311,7 @@ def build_ds_config(cfg: RootConfig, ds: dict, dp_size: int, on_gpu: bool) -> di
     merged = json.loads(json.dumps(ds))  # deep copy; the JSON file's dict is never mutated
     merged.setdefault("steps_per_print", 10**9)  # our loop does the logging
     torch_adam = (not on_gpu) if t.torch_adam is None else t.torch_adam
+    lr, min_lr = scaled_lr(t, global_batch)
     merged.update(
         {
             "train_micro_batch_size_per_gpu": micro,
@@ -207,7 +321,7 @@ def build_ds_config(cfg: RootConfig, ds: dict, dp_size: int, on_gpu: bool) -> di
             "optimizer": {
                 "type": "AdamW",
                 "params": {
-                    "lr": t.lr,
+                    "lr": lr,
                     "betas": [t.beta1, t.beta2],
                     "eps": t.adam_eps,
                     "weight_decay": t.weight_decay,
@@ -221,11 +335,16 @@ def build_ds_config(cfg: RootConfig, ds: dict, dp_size: int, on_gpu: bool) -> di
                     "warmup_num_steps": max(1, t.warmup_steps),
                     "warmup_type": "linear",
                     "warmup_min_ratio": 0.0,
-                    "cos_min_ratio": t.min_lr / t.lr,
+                    "cos_min_ratio": min_lr / lr,
                 },
             },
         }
     )
+    if t.nvme_path:
+        zero = merged.get("zero_optimization", {})
+        for key in ("offload_param", "offload_optimizer"):
+            if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme":
+                zero[key]["nvme_path"] = t.nvme_path
     return merged
 
 
@@ -272,6 +391,18 @@ def device():
     from deepspeed.accelerator import get_accelerator
 
     return torch.device(get_accelerator().current_device_name())
+
+
+def activation_checkpoint_function(ds_config: dict, mpu=None):
+    """DeepSpeed's checkpoint function, configured from ds_config, when it has an activation_checkpointing
+    block (partitioning over the tensor-parallel group of `mpu`, CPU checkpointing, ...); else None, and the
+    model uses torch's checkpoint."""
+    if "activation_checkpointing" not in ds_config:
+        return None
+    from deepspeed import checkpointing  # `import deepspeed.checkpointing` resolves to another module
+
+    checkpointing.configure(mpu, deepspeed_config=ds_config)
+    return checkpointing.checkpoint
 
 
 def initialize(model, param_groups: list[dict], ds_config: dict):

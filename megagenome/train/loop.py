@@ -97,7 +97,7 @@ def fit(
             engine.backward(loss)
             if micro_step == plan.grad_accum - 1 and not _engine_reports_grad_norm(engine):
                 own_norm = _grad_norm(engine.module)  # gradients are reduced by now, step() clears them
-            engine.step()
+            _step_or_stop(engine, step, save_checkpoint)
             step_loss += loss.detach().to(torch.float64)
         window_loss += float(step_loss) / plan.grad_accum  # float() waits for the device
         window_time += time.perf_counter() - started
@@ -121,6 +121,7 @@ def fit(
                 "mfu": None if plan.peak_tflops is None else tflops / plan.peak_tflops,
                 "mem_peak_bytes": peak_memory_bytes(device),
                 "loss_scale": _loss_scale(engine),
+                "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
             }
             writer.write(last_train)
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
@@ -136,6 +137,31 @@ def fit(
             save_checkpoint(done)
     bar.close()
     return {"train": last_train, "eval": last_eval}
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. fp16 overflow at the minimum loss scale); a checkpoint was saved first."""
+
+
+def _step_or_stop(engine, step: int, save_checkpoint: Callable[[int], None]) -> None:
+    """engine.step(), turning DeepSpeed's fp16 'loss scale already at minimum' into a clean stop.
+
+    An overflowing fp16 step is skipped by DeepSpeed (weights, optimizer and LR schedule untouched) and
+    the loss scale halves; once it sits at fp16.min_loss_scale and still overflows, DeepSpeed raises.
+    The weights are then those of the last applied step, so they are saved before stopping.
+    """
+    try:
+        engine.step()
+    except Exception as e:
+        if "loss scale already at minimum" not in str(e):
+            raise
+        if step > 0:
+            save_checkpoint(step)
+        raise TrainingStopped(
+            f"fp16 gradients overflowed at step {step + 1} with the loss scale already at fp16.min_loss_scale "
+            f"({_loss_scale(engine)}); the run cannot make progress. Checkpoint of step {step} saved. Lower "
+            "--train.lr, raise fp16.min_loss_scale, or train in bf16."
+        ) from e
 
 
 def _engine_reports_grad_norm(engine) -> bool:
