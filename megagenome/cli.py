@@ -7,6 +7,7 @@ in YAML or on the command line, are errors.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -36,6 +37,11 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def root_config(ns) -> RootConfig:
+    """The RootConfig of an instantiated `pretrain` namespace (one attribute per config section)."""
+    return RootConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RootConfig)})
+
+
 def _strip_launcher_args(argv: list[str]) -> list[str]:
     """Drop the `--local_rank=N` the deepspeed launcher appends; LOCAL_RANK in the environment says the same."""
     out, skip = [], False
@@ -60,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         sub_ns = ns.pretrain
         config_files = [str(p) for p in (sub_ns.get("config") or []) if p is not None]
         cfg = parser.instantiate(ns).pretrain
-        root = RootConfig(model=cfg.model, data=cfg.data, train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log)
+        root = root_config(cfg)
         from megagenome import pretrain
         from megagenome.train.loop import TrainingStopped
 

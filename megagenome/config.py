@@ -148,6 +148,26 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Model-parallel degrees; the data-parallel size is what is left: world / (tensor x sequence x pipeline)."""
+
+    tensor: int = 1
+    """Tensor-parallel degree: attention heads and MLP columns split Megatron-style over this many ranks."""
+    pipeline: int = 1
+    """Pipeline-parallel degree: the block stack split into this many stages."""
+    pipeline_partition: str = "parameters"
+    """How the pipeline's layers (embedding, blocks, final norm, head) are split into --parallel.pipeline stages:
+    parameters (balance parameter counts), uniform (balance layer counts) or type:NAME (balance the layers whose
+    class matches NAME, e.g. type:Block gives every stage the same number of blocks)."""
+    pipeline_checkpoint_interval: int = 0
+    """With --parallel.pipeline > 1: recompute activations in backward for segments of this many consecutive
+    layers of each stage, keeping only segment inputs (0: keep all activations). Replaces --model.checkpointing
+    full/every_k, which the pipeline engine does not run."""
+    sequence: int = 1
+    """Sequence-parallel degree (DeepSpeed-Ulysses): each sample's sequence split over this many ranks."""
+
+
+@dataclass
 class CheckpointConfig:
     """When to save and how to resume."""
 
@@ -180,6 +200,8 @@ class RootConfig:
     """Genome, split and sampling."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batches, optimizer and engine JSON."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor, pipeline and sequence parallel degrees."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence and resume."""
     log: LogConfig = field(default_factory=LogConfig)
@@ -348,6 +370,8 @@ def to_dict(cfg) -> dict:
 def config_hash(cfg: RootConfig) -> str:
     """SHA-256 of what a checkpoint depends on: model shape and data definition."""
     payload = json.dumps({"model": to_dict(cfg.model), "data": to_dict(cfg.data)}, sort_keys=True)
+    # The parallel layout is deliberately left out: a checkpoint converted to the universal format may be
+    # loaded under another layout.
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

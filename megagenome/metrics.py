@@ -40,6 +40,20 @@ def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> 
     return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
 
 
+def zero_model_state_bytes(n_params: int, zero_stage: int, dp_size: int) -> float:
+    """Per-rank model-state bytes of mixed-precision Adam under ZeRO (Rajbhandari et al. 2020; DESIGN.md).
+
+    16 bytes per parameter: 2 (bf16/fp16 weights) + 2 (bf16/fp16 gradients) + 12 (fp32 master weights, Adam
+    exp_avg and exp_avg_sq). Stage 1 partitions the 12 over the dp_size ranks, stage 2 the gradients too,
+    stage 3 everything: 16Psi, 4Psi + 12Psi/N, 2Psi + 14Psi/N, 16Psi/N.
+    """
+    psi, n = float(n_params), dp_size
+    formulas = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
+    if zero_stage not in formulas or n < 1:
+        raise ValueError(f"ZeRO stage {zero_stage} with {dp_size} data-parallel ranks: need stage 0-3 and >= 1 rank")
+    return formulas[zero_stage]
+
+
 def bits_per_base(nll_sum_nats: float, weight_sum: float) -> float:
     """Weighted mean negative log-likelihood converted from nats to bits."""
     return nll_sum_nats / max(weight_sum, 1e-12) / math.log(2)

@@ -25,6 +25,7 @@ from megagenome.config import (
     RootConfig,
     batch_sizes,
     config_hash,
+    d_ff,
     ds_config_files,
     to_dict,
     validate,
@@ -34,12 +35,16 @@ from megagenome.data.dataset import GenomeData, build_genome_data
 from megagenome.data.markov import markov_bits_per_base
 from megagenome.data.sampler import batch_indices
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.metrics import MetricsWriter, flops_per_token, peak_tflops, read_metrics
+from megagenome.metrics import MetricsWriter, flops_per_token, peak_tflops, read_metrics, zero_model_state_bytes
 from megagenome.model import DNATransformer
+from megagenome.model.transformer import padded_vocab_size
+from megagenome.parallel import pipeline, tensor_parallel
+from megagenome.parallel.sequence import sequence_problems, shard_batch
+from megagenome.parallel.state import ParallelState, layout_problems
 from megagenome.record import env_record, write_json, write_yaml
 from megagenome.train import checkpoint
 from megagenome.train import engine as ds
-from megagenome.train.loop import LoopPlan, evaluate, fit
+from megagenome.train.loop import LoopPlan, evaluate, fit, forward_backward_step, forward_sums
 
 _FLAG = re.compile(r"--([a-z_]+\.[a-z_]+)")
 
@@ -71,8 +76,14 @@ def _locate(problems: list[str], config_files: list[str]) -> list[str]:
 
 def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepared:
     """Validate everything that can be checked without a process group; raise ConfigError listing all."""
-    dp_size = world_size
-    problems = _locate(validate(cfg, dp_size), config_files)
+    par = cfg.parallel
+    layout = layout_problems(world_size, par.tensor, par.pipeline, par.sequence)
+    dp_size = world_size // (par.tensor * par.pipeline * par.sequence) if not layout else 1
+    sequence = sequence_problems(cfg.data.seq_len, cfg.model.n_head, par.sequence, par.tensor, par.pipeline)
+    tensor = tensor_parallel.tensor_parallel_problems(
+        cfg.model.n_head, d_ff(cfg.model), padded_vocab_size(VOCAB_SIZE), par.tensor
+    )
+    problems = layout + _locate(validate(cfg, dp_size) + sequence + tensor + pipeline.problems(cfg), config_files)
     source = config_files[-1] if config_files else "the command line"
     files = ds_config_files(cfg.train)
     ds_json, sources, merge_problems = ds.merge_fragments(files)
@@ -157,6 +168,10 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     data = prep.data
     _set_threads(cfg)
     rank, _, world_size = ds.init_distributed()
+    par = cfg.parallel
+    state = ParallelState.build(rank, world_size, tp=par.tensor, pp=par.pipeline, sp=par.sequence)
+    dp_rank = state.get_data_parallel_rank()
+    sp_rank = state.get_sequence_parallel_rank()  # which chunk of every sequence this rank holds
     micro, accum, global_batch = batch_sizes(cfg.train, prep.dp_size)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = DNATransformer(cfg.model, VOCAB_SIZE)
@@ -166,10 +181,29 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     ds_config = ds.build_ds_config(cfg, prep.ds_json, prep.dp_size, gpu)
-    model.set_checkpoint_function(ds.activation_checkpoint_function(ds_config))
-    engine = ds.initialize(model, model.param_groups(cfg.train.weight_decay), ds_config)
+    checkpoint_fn = ds.activation_checkpoint_function(ds_config, mpu=state)
+    model.set_checkpoint_function(checkpoint_fn)
+    # Chunk losses are scaled by this where DeepSpeed's gradient reduction divides by sp too many (ZeRO-3).
+    sp_loss_factor = ds.sequence_parallel_grad_factor(ds_config, par.sequence)
+    if par.sequence > 1:
+        attention = ds.sequence_parallel_attention(state.get_sequence_parallel_group())
+        model.set_sequence_parallel(attention, sp_rank, par.sequence)
+    if par.tensor > 1:
+        # This rank's shard, sliced from the dense model just built (so tp > 1 starts from tp=1's weights).
+        tensor_parallel.apply_tensor_parallel(model, state, seed=cfg.train.seed)
+    if par.pipeline > 1:
+        # This rank's stage, its layers copied from the dense model just built (so pp > 1 starts from pp=1's
+        # weights); DeepSpeed takes the PipelineModule's own process grid, the same layout as `state`, as mpu.
+        model = pipeline.build(model, par, state, checkpoint_fn)
+        engine = ds.initialize(model, pipeline.param_groups(model, cfg.train.weight_decay), ds_config)
+        eval_sums = pipeline.eval_sums
+    else:
+        engine = ds.initialize(model, model.param_groups(cfg.train.weight_decay), ds_config, mpu=state)
+        eval_sums = forward_sums
     device = ds.device()
-    torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout streams differ across data-parallel ranks
+    # Dropout streams differ across data-parallel ranks but not across tensor-parallel ones, whose residual streams
+    # are replicas (rank // tp drops the fastest axis; the attention-dropout stream is forked per tensor rank).
+    torch.manual_seed(cfg.train.seed + 1000 * (rank // par.tensor))
     hosts = ds.all_gather_object(socket.gethostname())
     run_dir = cfg.log.run_dir
     ckpt_root = _ckpt_root(cfg)
@@ -210,11 +244,15 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
 
     def train_batch(step: int, micro_step: int) -> dict:
         cursor = step * global_batch
-        indices = batch_indices(cursor, micro_step, rank, prep.dp_size, micro)
-        return data.train_batch(indices)
+        indices = batch_indices(cursor, micro_step, dp_rank, prep.dp_size, micro)
+        return shard_batch(data.train_batch(indices), sp_rank, par.sequence, sp_loss_factor)
+
+    def reduce_eval(values: list[float]) -> list[float]:
+        return [v / par.tensor for v in ds.all_reduce_sum(values)]  # tensor-parallel ranks hold replicated sums
 
     def run_eval() -> dict:
-        return evaluate(engine, _eval_batches(data, rank, prep.dp_size, micro), ds.all_reduce_sum, to_device)
+        batches = (shard_batch(b, sp_rank, par.sequence) for b in _eval_batches(data, dp_rank, prep.dp_size, micro))
+        return evaluate(engine, batches, reduce_eval, to_device, sums=eval_sums)
 
     def save(step: int) -> None:
         state = {"step": step, "samples_consumed": step * global_batch, "config_hash": chash, "world_size": world_size}
@@ -234,9 +272,31 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
         peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if gpu else None,
         world_size=world_size,
         rank=rank,
+        loss_shards=par.sequence // sp_loss_factor,  # scaled chunk losses already average to the whole loss
     )
+    # memory.json: at the second step of this invocation (the only one if it has one), once optimizer states
+    # exist, between backward and the optimizer step, when the step's gradients are complete.
+    measure_at = min(start_step + 1, plan.stop_at - 1)
+    memory_path = os.path.join(run_dir, "memory.json")
+    rank_params = model.num_parameters() if par.tensor > 1 else n_params  # what one rank holds under TP
+    if par.pipeline > 1:  # this rank's stage (a tied embedding is held by the first and the last stage)
+        rank_params = sum(p.numel() for p in model.parameters())
+    probe = memory_probe(engine, memory_path, measure_at, rank, rank_params, prep.dp_size, ds_config)
+    if par.pipeline > 1:  # DeepSpeed's pipeline schedule runs the micro batches: engine.train_batch
+        train_step = pipeline.train_step(engine, train_batch, to_device, accum, on_gradients=probe)
+    else:  # engine(**batch), backward, step per micro batch
+        train_step = forward_backward_step(engine, train_batch, to_device, accum, on_gradients=probe)
     result = fit(
-        engine, plan, train_batch, run_eval, save, writer, ds.all_reduce_sum, to_device, progress=cfg.log.progress
+        engine,
+        plan,
+        train_batch,
+        run_eval,
+        save,
+        writer,
+        ds.all_reduce_sum,
+        to_device,
+        progress=cfg.log.progress,
+        train_step=train_step,
     )
     summary = {}
     if rank == 0:
@@ -247,6 +307,34 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     else:
         ds.shutdown()
     return summary
+
+
+def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_size: int, ds_config: dict):
+    """A fit() on_gradients callback: at step index `at_step`, gather every rank's model-state bytes
+    (engine.model_state_bytes) and have rank 0 write them to `path`, next to the ZeRO formula of DESIGN.md."""
+
+    def probe(step: int) -> None:
+        if step != at_step:
+            return
+        ranks = ds.all_gather_object(ds.model_state_bytes(engine))
+        if rank != 0:
+            return
+        stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        precision = next((p for p in ("bf16", "fp16") if ds_config.get(p, {}).get("enabled")), "fp32")
+        record = {
+            "step": step + 1,
+            "world_size": len(ranks),
+            "parameters": n_params,
+            "zero_stage": stage,
+            "offload": sorted(ds.offload_devices(ds_config)),
+            "precision": precision,
+            "grad_accum_dtype": ds_config.get("data_types", {}).get("grad_accum_dtype"),
+            "formula_bytes_per_rank": zero_model_state_bytes(n_params, stage, dp_size),
+            "ranks": ranks,
+        }
+        write_json(path, record)
+
+    return probe
 
 
 def _summarise(
@@ -291,7 +379,8 @@ def _print_summary(s: dict) -> None:
     print(f"steps              {s['steps']}", file=out)
     print(f"train loss         {s['train_loss']:.4f} nats/token" if s["train_loss"] is not None else "", file=out)
     model_bpb = s["heldout_bits_per_base"]
-    print(f"held-out bits/base {model_bpb:.4f}  (model)", file=out)
+    shown = "not evaluated yet" if model_bpb is None else f"{model_bpb:.4f}"
+    print(f"held-out bits/base {shown}  (model)", file=out)
     for k, v in s["markov_bits_per_base"].items():
         mark = "  <- best baseline" if int(k) == s["best_markov_order"] else ""
         print(f"                   {v:.4f}  order-{k} Markov{mark}", file=out)

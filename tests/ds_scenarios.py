@@ -8,7 +8,9 @@ CLI, keeping the process group up between scenarios and tearing it down once at 
     python tests/ds_scenarios.py --spec spec.json                    # 1 rank, no launcher
 
 spec.json: {"scenarios": [{"name": ..., "config": {root config as nested dicts}}, ...]}. Configs are
-parsed by the CLI's own parser, so they are type-checked like a YAML file given with --config. A
+parsed by the CLI's own parser, so they are type-checked like a YAML file given with --config. A scenario
+may instead be {"name": ..., "check": "module:function", "run_dir": ...}: function(run_dir) from a module in
+tests/ runs in the same process group (checks of parallel layers that need real collectives). A
 scenario that raises writes the traceback to <run_dir>/error.txt and the worker goes on with the next
 (a failure before the process group is touched, such as a config error, is symmetric across ranks).
 Rank 0 appends one line per scenario to the spec's "log" file: name, seconds, error or null.
@@ -17,21 +19,21 @@ Rank 0 appends one line per scenario to the spec's "log" file: name, seconds, er
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import sys
 import time
 import traceback
 
-from megagenome import pretrain
-from megagenome.cli import pretrain_parser
+from megagenome import cli, pretrain
 from megagenome.config import RootConfig
 from megagenome.train import engine
 
 
 def root_config(parser, config: dict) -> RootConfig:
-    ns = parser.instantiate(parser.parse_object(config))
-    return RootConfig(model=ns.model, data=ns.data, train=ns.train, checkpoint=ns.checkpoint, log=ns.log)
+    return cli.root_config(parser.instantiate(parser.parse_object(config)))
 
 
 def main() -> int:
@@ -41,20 +43,27 @@ def main() -> int:
     args = ap.parse_args()
     with open(args.spec, encoding="utf-8") as fh:
         spec = json.load(fh)
-    parser = pretrain_parser()
+    parser = cli.pretrain_parser()
     rank = int(os.environ.get("RANK", "0"))
     failures = 0
     for scenario in spec["scenarios"]:
-        cfg = root_config(parser, scenario["config"])
+        if "check" in scenario:
+            module, function = scenario["check"].split(":")
+            run_dir = scenario["run_dir"]
+            work = functools.partial(getattr(importlib.import_module(module), function), run_dir)
+        else:
+            cfg = root_config(parser, scenario["config"])
+            run_dir = cfg.log.run_dir
+            work = functools.partial(pretrain.run, cfg, [], keep_process_group=True)
         started = time.time()
         error = None
         try:
-            pretrain.run(cfg, [], keep_process_group=True)
+            work()
         except Exception:
             error = traceback.format_exc()
             failures += 1
-            os.makedirs(cfg.log.run_dir, exist_ok=True)
-            with open(os.path.join(cfg.log.run_dir, f"error_rank{rank}.txt"), "w", encoding="utf-8") as fh:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, f"error_rank{rank}.txt"), "w", encoding="utf-8") as fh:
                 fh.write(error)
             print(f"scenario {scenario['name']} failed on rank {rank}:\n{error}", file=sys.stderr, flush=True)
         if rank == 0:

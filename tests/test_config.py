@@ -144,6 +144,17 @@ def test_fp16_rejected_on_cpu_with_reason():
     assert check_ds_config({"fp16": {"enabled": True}}, "f.json", "run.yaml", on_gpu=True) == []
 
 
+def test_stage0_accumulates_gradients_in_the_model_dtype_only():
+    bf16_fp32 = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    problems = check_ds_config({**bf16_fp32, "zero_optimization": {"stage": 0}}, "z.json", "run.yaml", False)
+    assert (
+        len(problems) == 1 and "grad_accum_dtype='fp32' with bf16 weights needs ZeRO stage 1 or higher" in problems[0]
+    )
+    assert check_ds_config({**bf16_fp32, "zero_optimization": {"stage": 1}}, "z.json", "run.yaml", False) == []
+    same = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bfloat16"}}
+    assert check_ds_config(same, "z.json", "run.yaml", False) == []
+
+
 def test_merged_config_carries_root_keys_and_leaves_json_untouched():
     cfg = valid_config()
     cfg.train.micro_batch_size, cfg.train.grad_accum_steps = 2, 3

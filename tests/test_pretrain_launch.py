@@ -45,8 +45,20 @@ def uninterrupted(phix, tmp_path_factory):
 def test_two_rank_run_through_the_deepspeed_launcher(uninterrupted):
     run_dir, proc, rows = uninterrupted
     assert sorted(os.listdir(run_dir)) == sorted(
-        ["checkpoints", "config.yaml", "ds_config.json", "env.json", "metrics.jsonl", "split.json", "summary.json"]
+        [
+            "checkpoints",
+            "config.yaml",
+            "ds_config.json",
+            "env.json",
+            "memory.json",
+            "metrics.jsonl",
+            "split.json",
+            "summary.json",
+        ]
     )
+    memory = json.loads((run_dir / "memory.json").read_text())
+    assert memory["world_size"] == 2 and memory["step"] == 2 and len(memory["ranks"]) == 2
+    assert all(r["total"] > 0 and r["optimizer_states"] > 0 for r in memory["ranks"])
     env = json.loads((run_dir / "env.json").read_text())
     assert env["world_size"] == 2 and env["deepspeed"] == "0.19.8"
     ds = json.loads((run_dir / "ds_config.json").read_text())

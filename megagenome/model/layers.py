@@ -8,6 +8,7 @@ local hidden width from the layers' outputs instead of assuming the full model w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -55,11 +56,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x, shape (B, H, T, head_dim), at positions 0..T-1."""
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Rotate x, shape (B, H, T, head_dim), at positions offset..offset+T-1.
+
+        A nonzero offset serves sequence parallelism: a rank holding chunk i of every sequence rotates its
+        queries and keys at their global positions i*T.., so attention scores match the unsplit sequence.
+        """
         T = x.size(-2)
-        cos = self.cos[:T].to(x.dtype)  # (T, head_dim/2)
-        sin = self.sin[:T].to(x.dtype)  # (T, head_dim/2)
+        if offset + T > self.cos.size(0):
+            raise ValueError(f"positions up to {offset + T} exceed the rotary tables ({self.cos.size(0)} positions)")
+        cos = self.cos[offset : offset + T].to(x.dtype)  # (T, head_dim/2)
+        sin = self.sin[offset : offset + T].to(x.dtype)  # (T, head_dim/2)
         x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, H, T, head_dim/2)
         # (x1 + i x2) * (cos + i sin), written out: the rotate_half form x*cos + rotate_half(x)*sin.
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, H, T, head_dim)
@@ -85,9 +92,22 @@ class SelfAttention(nn.Module):
         # Selective activation checkpointing: a checkpoint function (fn(function, *args)) that recomputes
         # only the attention core in backward; its saved tensors are the largest per FLOP. None: keep them.
         self.recompute_core: Callable | None = None
+        # Sequence parallelism (installed from outside by DNATransformer.set_sequence_parallel): this rank
+        # holds chunk `sequence_rank` of every sequence, and `sequence_parallel(core, q, k, v)` runs the local
+        # attention core over the whole sequence for a subset of the heads (DeepSpeed-Ulysses all-to-alls).
+        # None: the rank holds whole sequences.
+        self.sequence_parallel: Callable | None = None
+        self.sequence_rank = 0
+        # Tensor parallelism (installed from outside by parallel/tensor_parallel.py): dropout_rng(device) is a
+        # context manager entered around the attention core when dropout is on, so that ranks holding
+        # different heads draw different attention-dropout masks. None: the default generator.
+        self.dropout_rng: Callable | None = None
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout_p = self.dropout if self.training else 0.0
+        if dropout_p and self.dropout_rng is not None:
+            with self.dropout_rng(q.device):
+                return attention(q, k, v, causal=self.causal, dropout_p=dropout_p, kernel=self.kernel)
         return attention(q, k, v, causal=self.causal, dropout_p=dropout_p, kernel=self.kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,11 +115,16 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, n_head, 3, head_dim)
         qkv = qkv.permute(3, 0, 2, 1, 4)  # (3, B, n_head, T, head_dim)
         q, k, v = qkv.unbind(0)  # 3 x (B, n_head, T, head_dim)
-        q, k = self.rotary(q), self.rotary(k)  # (B, n_head, T, head_dim)
+        offset = self.sequence_rank * T  # global position of this chunk's first token
+        q, k = self.rotary(q, offset), self.rotary(k, offset)  # (B, n_head, T, head_dim)
+        core = self._core
         if self.recompute_core is not None and torch.is_grad_enabled():
-            y = self.recompute_core(self._core, q, k, v)  # (B, n_head, T, head_dim)
+            # Only the local core is recomputed; sequence-parallel all-to-alls around it run once.
+            core = functools.partial(self.recompute_core, self._core)
+        if self.sequence_parallel is not None:
+            y = self.sequence_parallel(core, q, k, v)  # (B, n_head, T, head_dim)
         else:
-            y = self._core(q, k, v)  # (B, n_head, T, head_dim)
+            y = core(q, k, v)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * head_dim)
         return self.proj(y)  # (B, T, d_model)
 

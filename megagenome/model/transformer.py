@@ -23,6 +23,11 @@ from megagenome.model.layers import Block, RMSNorm
 VOCAB_MULTIPLE = 8
 
 
+def padded_vocab_size(vocab_size: int) -> int:
+    """Rows of the embedding and LM head: vocab_size rounded up to a multiple of VOCAB_MULTIPLE."""
+    return VOCAB_MULTIPLE * math.ceil(vocab_size / VOCAB_MULTIPLE)
+
+
 class DNATransformer(nn.Module):
     """A LLaMA-style transformer for single-nucleotide DNA tokens (clm or mlm objective)."""
 
@@ -36,7 +41,7 @@ class DNATransformer(nn.Module):
             raise ValueError(f"head size --model.d_model/--model.n_head={cfg.d_model // cfg.n_head} must be even")
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.padded_vocab_size = VOCAB_MULTIPLE * math.ceil(vocab_size / VOCAB_MULTIPLE)
+        self.padded_vocab_size = padded_vocab_size(vocab_size)
 
         self.embed = nn.Embedding(self.padded_vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -46,6 +51,11 @@ class DNATransformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
         self.set_checkpoint_function(None)
+        self.sequence_parallel_size = 1
+        # Per-token loss fn(head_output, labels) -> (B*T,) float32 cross entropy, replaceable from outside:
+        # tensor parallelism (parallel/tensor_parallel.py) installs a vocabulary-parallel one that takes the
+        # LM head's output shard (B, T, padded_vocab / tp) as it is. None: cross entropy of the full logits.
+        self.token_loss: Callable | None = None
         self.apply(self._init_weights)
         # GPT-2 rule: each block adds two residual branches, so scaling the projections that write
         # into the residual stream by 1/sqrt(2 * n_layer) keeps its variance independent of depth.
@@ -71,6 +81,24 @@ class DNATransformer(nn.Module):
         for block in self.blocks:
             block.attn.recompute_core = self._checkpoint if selective else None
 
+    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1) -> None:
+        """Install sequence parallelism: this rank holds chunk `rank` of `size` equal chunks of every sequence.
+
+        attention(core, q, k, v), with q, k, v of shape (B, n_head, T/size, head_dim), must return the output
+        of `core` run over the whole sequence, in the same shape (parallel/sequence.py explains the scheme;
+        the training engine builds it from DeepSpeed's DistributedAttention). Rotary positions are offset by
+        rank * T/size. forward() then takes the chunk's tensors and the loss denominator of the whole
+        sequences. None (or size 1) restores whole-sequence attention. The model does no communication itself.
+        """
+        if size > 1 and (attention is None or not 0 <= rank < size):
+            raise ValueError(f"sequence parallelism needs an attention function and 0 <= rank < {size}, got {rank}")
+        if size > 1 and self.cfg.n_head % size:
+            raise ValueError(f"--model.n_head={self.cfg.n_head} is not divisible by --parallel.sequence={size}")
+        self.sequence_parallel_size = size if attention is not None else 1
+        for block in self.blocks:
+            block.attn.sequence_parallel = attention if size > 1 else None
+            block.attn.sequence_rank = rank if size > 1 else 0
+
     def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """The block stack under the checkpointing policy: full = segments of 1 block, every_k = of k."""
         policy = self.cfg.checkpointing
@@ -86,7 +114,12 @@ class DNATransformer(nn.Module):
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token (clm) or masked-token (mlm) logits, (B, T, vocab_size), in the model's dtype."""
-        T = input_ids.size(1)  # input_ids: (B, T)
+        # Padded vocabulary columns are never valid targets; slicing them off keeps them out of the softmax.
+        return self.lm_head(self.hidden(input_ids))[..., : self.vocab_size]  # (B, T, vocab_size)
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's input: the final-norm hidden states, (B, T, d_model)."""
+        T = input_ids.size(1) * self.sequence_parallel_size  # input_ids: (B, T / sequence-parallel size)
         if T > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {T} is above --model.max_seq_len={self.cfg.max_seq_len} "
@@ -94,25 +127,35 @@ class DNATransformer(nn.Module):
             )
         x = self.embed(input_ids)  # (B, T, d_model)
         x = self._run_blocks(x)  # (B, T, d_model)
-        x = self.norm(x)  # (B, T, d_model)
-        # Padded vocabulary columns are never valid targets; slicing them off keeps them out of the softmax.
-        return self.lm_head(x)[..., : self.vocab_size]  # (B, T, vocab_size)
+        return self.norm(x)  # (B, T, d_model)
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss_weight: torch.Tensor,
+        weight_total: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, nll_sum, weight_sum) for input_ids and labels (B, T) int64 and loss_weight (B, T) float.
 
         nll_sum = sum(cross_entropy * loss_weight) in nats, weight_sum = sum(loss_weight) and
         loss = nll_sum / max(weight_sum, 1). Labels at weight-0 positions may be -100 (ignored).
+
+        weight_total (a 0-d tensor), given under sequence parallelism, is the loss denominator of the whole
+        sequences this batch is one chunk of (their max(weight_sum, 1)); loss = nll_sum / weight_total is then
+        this chunk's share, and the shares of all chunks add up to the loss of the whole sequences.
         """
-        logits = self.logits(input_ids)  # (B, T, vocab_size)
-        # Float32 log-softmax: under bf16 the logits' rounding would bias the loss.
-        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # (B*T,)
+        if self.token_loss is not None:
+            ce = self.token_loss(self.lm_head(self.hidden(input_ids)), labels)  # (B*T,)
+        else:
+            logits = self.logits(input_ids)  # (B, T, vocab_size)
+            # Float32 log-softmax: under bf16 the logits' rounding would bias the loss.
+            ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # (B*T,)
         weight = loss_weight.float().flatten()  # (B*T,)
         nll_sum = (ce * weight).sum()
         weight_sum = weight.sum()
-        loss = nll_sum / weight_sum.clamp(min=1.0)
+        denominator = weight_sum.clamp(min=1.0) if weight_total is None else weight_total.float()
+        loss = nll_sum / denominator
         return loss, nll_sum, weight_sum
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -228,6 +228,7 @@ def check_ds_config(
             f"{src('fp16')}: fp16.enabled needs a GPU; DeepSpeed's CPU accelerator cannot run fp16 "
             '("Type fp16 is not supported on your device"); use ds_configs/bf16.json on CPU'
         )
+    problems += _accumulation_problems(ds, src)
     ac = ds.get("activation_checkpointing")
     if ac is not None:
         where = src("activation_checkpointing")
@@ -250,6 +251,31 @@ def check_ds_config(
     return problems
 
 
+def _accumulation_problems(ds: dict, src) -> list[str]:
+    """ZeRO stage 0 accumulates gradients only in the model's own dtype: DeepSpeed 0.19 refuses e.g. bf16 with
+    data_types.grad_accum_dtype fp32 at initialize ("unsupported mix of model_dtype and grad_accum_dtype")."""
+    from deepspeed.runtime.config import DtypeEnum
+
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    types = ds.get("data_types")
+    accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+    if stage != 0 or accum is None:
+        return []
+    model = "fp16" if _enabled(ds, "fp16") else "bf16" if _enabled(ds, "bf16") else "fp32"
+    try:
+        accum_name = DtypeEnum(accum).name
+    except ValueError:
+        return []  # DeepSpeed's own config validation reports an unknown dtype name
+    if accum_name == model:
+        return []
+    return [
+        f"{src('data_types')}: data_types.grad_accum_dtype={accum!r} with {model} weights needs ZeRO stage 1 or "
+        f"higher (zero_optimization.stage is 0 in {src('zero_optimization')}); at stage 0 DeepSpeed accumulates "
+        f"gradients in the model's dtype only: drop data_types.grad_accum_dtype or use a ZeRO stage >= 1"
+    ]
+
+
 def _enabled(ds: dict, section: str) -> bool:
     value = ds.get(section)
     return isinstance(value, dict) and bool(value.get("enabled"))
@@ -269,10 +295,25 @@ def check_run_against_ds(cfg: RootConfig, ds: dict, path: str) -> list[str]:
     """Problems that need both the run config and the DeepSpeed dict."""
     problems = []
     has_ac = "activation_checkpointing" in ds
-    if has_ac and cfg.model.checkpointing == "none":
+    pipeline_recomputes = cfg.parallel.pipeline > 1 and cfg.parallel.pipeline_checkpoint_interval > 0
+    if has_ac and cfg.model.checkpointing == "none" and not pipeline_recomputes:
         problems.append(
             f"{path} configures activation_checkpointing but --model.checkpointing=none recomputes nothing; "
-            "choose full, every_k or selective"
+            "choose full, every_k or selective (or --parallel.pipeline_checkpoint_interval with pipeline stages)"
+        )
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if cfg.parallel.pipeline > 1 and isinstance(stage, int) and stage >= 2:
+        problems.append(
+            f"{path}: zero_optimization.stage={stage} cannot run with --parallel.pipeline={cfg.parallel.pipeline}: "
+            "DeepSpeed's pipeline engine rejects ZeRO stages 2 and 3 (it reduces gradients itself, after the last "
+            "micro batch); use ZeRO stage 0 or 1 (e.g. ds_configs/zero1.json)"
+        )
+    if cfg.parallel.sequence > 1 and stage == 3 and zero.get("reduce_scatter") is False:
+        problems.append(
+            f"{path}: zero_optimization.reduce_scatter=false at stage 3 cannot run with --parallel.sequence="
+            f"{cfg.parallel.sequence}: DeepSpeed 0.19 then scales sequence-parallel gradients differently from one "
+            "reduction bucket to the next (see sequence_parallel_grad_factor); drop the key (default true)"
         )
     if "nvme" in offload_devices(ds):
         zero = ds.get("zero_optimization", {})
@@ -405,12 +446,189 @@ def activation_checkpoint_function(ds_config: dict, mpu=None):
     return checkpointing.checkpoint
 
 
-def initialize(model, param_groups: list[dict], ds_config: dict):
-    """Wrap the model in a DeepSpeed engine that builds AdamW and the schedule from ds_config."""
+def sequence_parallel_grad_factor(ds_config: dict, sp: int) -> int:
+    """What DeepSpeed's gradient reduction under-counts sequence-parallel gradients by: sp at ZeRO-3, else 1.
+
+    Sequence-parallel ranks hold shares of one loss, so their gradients must be summed (and averaged over data
+    parallelism only). ZeRO 0-2 do that: they all-reduce over the sp x dp group and divide by dp. ZeRO-3's
+    reduce-scatter (`__avg_scatter_grads`, used whenever zero_optimization.reduce_scatter is true, the default)
+    divides by sp x dp, ignoring the sequence-parallel size. pretrain.py multiplies the loss by this factor so
+    the gradients come out right; tests/test_sequence_parallel.py compares every stage against sp = 1.
+    """
+    zero = ds_config.get("zero_optimization") or {}
+    return sp if sp > 1 and zero.get("stage") == 3 else 1
+
+
+def sequence_parallel_attention(group):
+    """DeepSpeed-Ulysses attention over the sequence-parallel process group `group`, as the callable that
+    DNATransformer.set_sequence_parallel installs: attention(core, q, k, v) with q, k, v of shape
+    (B, n_head, T/sp, head_dim) on each rank returns core's output for this rank's positions, having run core
+    over all T positions for n_head/sp heads (see parallel/sequence.py)."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    def local(q, k, v, core):  # (B, T, n_head/sp, head_dim): DistributedAttention's batch-first layout
+        y = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, n_head/sp, T, head_dim)
+        return y.transpose(1, 2)  # (B, T, n_head/sp, head_dim)
+
+    # scatter_idx 2 / gather_idx 1: q, k, v scatter heads and gather the sequence; the output does the reverse.
+    # The wrapper is held in a closure, not registered as a submodule, so the model's state dict is unchanged.
+    ulysses = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
+
+    def attention(core, q, k, v):  # (B, n_head, T/sp, head_dim) each
+        y = ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, core)  # (B, T/sp, n_head, hd)
+        return y.transpose(1, 2)  # (B, n_head, T/sp, head_dim)
+
+    return attention
+
+
+def initialize(model, param_groups: list[dict], ds_config: dict, mpu=None):
+    """Wrap the model in a DeepSpeed engine that builds AdamW and the schedule from ds_config.
+
+    mpu (a ParallelState) tells DeepSpeed which ranks form the data-parallel group ZeRO partitions over
+    and which form the tensor-parallel group gradient norms are reduced across.
+    """
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config)
+    zero = ds_config.get("zero_optimization") or {}
+    if mpu is not None and mpu.get_sequence_parallel_world_size() > 1 and zero.get("stage") == 3:
+        # DeepSpeed 0.19 partitions the parameters of a model not built under zero.Init over
+        # mpu.get_data_parallel_group(), but reduce-scatters gradients and partitions the optimizer over the
+        # sequence-data-parallel group; with sequence parallelism the two differ and the fp32 partitions end up
+        # whole on every rank (zero_to_fp32 then fails). Partition over sp x dp up front, as Megatron-DeepSpeed
+        # does by building its model under zero.Init(sequence_data_parallel_group=...).
+        offload = zero.get("offload_param") or {}
+        deepspeed.zero.Init(
+            module=model,
+            data_parallel_group=mpu.get_sequence_data_parallel_group(),
+            config_dict_or_path=ds_config,
+            pin_memory=bool(offload.get("pin_memory", False)),
+            mpu=mpu,
+        )
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config, mpu=mpu)
     return engine
+
+
+# Attributes of DeepSpeed 0.19's optimizer wrappers that hold gradients (besides any tensor's .grad), by class:
+# BF16_Optimizer (ZeRO-1 with bf16 and fp32 gradient accumulation): the full-size fp32 accumulation buffer and
+# its views; DeepSpeedZeroOptimizer (ZeRO-1/2): the reduced partition and its contiguous buffer, and the CPU
+# accumulators of offload; DeepSpeedZeroOptimizer_Stage3: the flat partition buffer and its per-parameter views.
+_GRADIENT_ATTRS = frozenset(
+    {
+        "fp32_groups_gradients_flat",
+        "fp32_groups_gradients",
+        "fp32_groups_actual_gradients_flat",
+        "fp32_groups_gradient_flat_partition",
+        "non_expert_gradients",
+        "averaged_gradients",
+        "grads_in_partition",
+        "accumulated_grads_in_cpu",
+        "offload_gradient_dict",
+        "grad_partitions_flat_buffer",
+        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+        "lp_grad_partitions_flat_pin_buffers",
+    }
+)
+# fp32 master weights, by class: FP16_Optimizer, BF16_Optimizer, ZeRO-1/2, ZeRO-3. The wrapped optimizer's
+# param_groups name them too, except under ZeRO-3, which hands them to the optimizer only inside step().
+_MASTER_ATTRS = frozenset(
+    {
+        "fp32_groups_flat",
+        "fp32_groups_flat_partition",
+        "single_partition_of_fp32_groups",
+        "fp32_partitioned_groups_flat",
+    }
+)
+MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
+
+
+def model_state_bytes(engine) -> dict:
+    """This rank's bytes of model states, counted from the tensors the engine holds (not from RSS).
+
+    Categories (a storage shared by several tensors is counted once, in the first category that claims it):
+      params            the model's parameters as this rank holds them: bf16/fp16 (or fp32 without mixed
+                        precision) full tensors at ZeRO 0-2; at ZeRO-3 this rank's partition (`ds_tensor`) plus
+                        parameters held whole (below stage3_param_persistence_threshold, or still gathered).
+      grads             gradients: every parameter's .grad (and .grad of master weights) plus the optimizer
+                        wrapper's gradient buffers (_GRADIENT_ATTRS): ZeRO-0 the full gradients; ZeRO-1 with
+                        bf16 and fp32 accumulation (BF16_Optimizer) the bf16 .grad and a full fp32 buffer;
+                        ZeRO-1/2 otherwise the reduced partition (in the accumulation dtype); ZeRO-3 the flat
+                        partition buffer.
+      master_params     fp32 master weights the optimizer updates when they are not the model's own tensors:
+                        the full copy at ZeRO-0 with bf16/fp16, this rank's partition at ZeRO 1-3, none in plain
+                        fp32 ZeRO-0 (the optimizer steps the parameters themselves).
+      optimizer_states  the optimizer's state (AdamW exp_avg and exp_avg_sq, fp32, partitioned at ZeRO 1-3).
+      buffers           not model states: every other tensor the optimizer wrapper holds (gradient reduction
+                        buckets, offload staging buffers); reported so nothing is hidden, excluded from total.
+    Gradients exist only between backward and the optimizer step, so call this there (pretrain.py does, at
+    the second step of a run, when optimizer states exist too). Offloaded states count in their category; by_device
+    splits the total by device type. Returns {category: bytes, "total": sum of MODEL_STATES, "by_device": {...}}.
+    """
+    import torch
+
+    basic = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    candidates: list[tuple[str, torch.Tensor]] = []  # (category, tensor) in claiming order
+    for p in engine.module.parameters():
+        candidates.append(("params", p.data))
+        if hasattr(p, "ds_tensor"):  # ZeRO-3 partition of this parameter
+            candidates.append(("params", p.ds_tensor))
+    for state in basic.state.values():
+        candidates += [("optimizer_states", t) for t in state.values() if isinstance(t, torch.Tensor)]
+    candidates += [("master_params", p) for p in basic.state if isinstance(p, torch.Tensor)]
+    for group in basic.param_groups:
+        candidates += [("master_params", p) for p in group["params"]]
+    grads, others = [], []
+    for attr, t in _tensors_of(engine.optimizer):
+        if attr in _MASTER_ATTRS:
+            candidates.append(("master_params", t))
+        else:
+            (grads if attr in _GRADIENT_ATTRS else others).append(t)
+    for p in engine.module.parameters():
+        grads += [g for g in (p.grad, getattr(p, "grad_accum", None)) if isinstance(g, torch.Tensor)]
+    candidates += [("grads", t) for t in grads]
+    # .grad of anything found above that is a leaf (fp32 master partitions under offload, for example)
+    candidates += [("grads", t.grad) for _, t in list(candidates) if t.is_leaf and t.grad is not None]
+    candidates += [("buffers", t) for t in others]
+
+    out = dict.fromkeys((*MODEL_STATES, "buffers"), 0)
+    by_device: dict[str, int] = {}
+    seen: set[tuple[str, int]] = set()
+    for category, t in candidates:
+        storage = t.untyped_storage()
+        if t.device.type == "meta" or storage.nbytes() == 0:
+            continue  # a released ZeRO-3 parameter holds no memory
+        key = (str(t.device), storage.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        out[category] += storage.nbytes()
+        if category != "buffers":
+            by_device[t.device.type] = by_device.get(t.device.type, 0) + storage.nbytes()
+    out["total"] = sum(out[c] for c in MODEL_STATES)
+    out["by_device"] = by_device
+    return out
+
+
+def _tensors_of(obj, attr: str = "", depth: int = 0, seen: set | None = None):
+    """(top-level attribute name, tensor) for every tensor reachable from a DeepSpeed/torch optimizer object."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        yield attr, obj
+        return
+    if depth > 8 or id(obj) in seen or isinstance(obj, (torch.nn.Module, type)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple, set)):
+        children = [(attr, v) for v in obj]
+    elif isinstance(obj, dict):
+        children = [(attr, v) for v in obj.values()]
+    elif type(obj).__module__.startswith(("deepspeed.", "torch.optim")) and hasattr(obj, "__dict__"):
+        children = [(attr or name, v) for name, v in vars(obj).items()]
+    else:
+        return
+    for name, value in children:
+        yield from _tensors_of(value, name, depth + 1, seen)
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:

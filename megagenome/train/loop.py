@@ -1,7 +1,8 @@
 """The training loop (layer L3): step, evaluate, log, checkpoint.
 
-It talks to the DeepSpeed engine only through `engine(**batch)`, `backward`, `step` and the
-checkpoint module, and gets batches, collectives and checkpoint saving as plain callables, so the
+It talks to the DeepSpeed engine only through `engine(**batch)`, `backward`, `step` (or, for a
+pipeline engine, the step and eval functions pretrain.py passes in: parallel/pipeline.py) and the checkpoint
+module, and gets batches, collectives and checkpoint saving as plain callables, so the
 same loop serves any data source and any parallel layout.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megagenome.metrics import MetricsWriter, bits_per_base
+from megagenome.parallel import tensor_parallel
 
 
 @dataclass
@@ -34,6 +36,9 @@ class LoopPlan:
     peak_tflops: float | None
     world_size: int
     rank: int
+    # Ranks whose losses add up to one sample's loss: the sequence-parallel degree (each holds a chunk of every
+    # sequence and its loss is that chunk's share, parallel/sequence.py). Other ranks hold replicas of a loss.
+    loss_shards: int = 1
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -43,20 +48,66 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def evaluate(
-    engine, batches: Iterable[dict], reduce_sum: Callable[[list[float]], list[float]], to_device: Callable[[dict], dict]
-) -> dict:
-    """Held-out loss (nats) and bits per base over every rank's share of the eval windows."""
-    engine.eval()
+def forward_sums(engine, batches: Iterable[dict], to_device: Callable[[dict], dict]) -> tuple[float, float]:
+    """(nll_sum, weight_sum) of this rank's evaluation batches through engine(**batch)."""
     nll, weight = 0.0, 0.0
+    for batch in batches:
+        _, nll_sum, weight_sum = engine(**to_device(batch))
+        nll += float(nll_sum)
+        weight += float(weight_sum)
+    return nll, weight
+
+
+def evaluate(
+    engine,
+    batches: Iterable[dict],
+    reduce_sum: Callable[[list[float]], list[float]],
+    to_device: Callable[[dict], dict],
+    sums: Callable[..., tuple[float, float]] = forward_sums,
+) -> dict:
+    """Held-out loss (nats) and bits per base over every rank's share of the eval windows.
+
+    sums(engine, batches, to_device) scores this rank's batches; a pipeline engine passes its own
+    (parallel/pipeline.py eval_sums), since only its last stage sees the loss.
+    """
+    engine.eval()
     with torch.no_grad():
-        for batch in batches:
-            _, nll_sum, weight_sum = engine(**to_device(batch))
-            nll += float(nll_sum)
-            weight += float(weight_sum)
+        nll, weight = sums(engine, batches, to_device)
     engine.train()
     nll, weight = reduce_sum([nll, weight])
     return {"loss": nll / max(weight, 1e-12), "bits_per_base": bits_per_base(nll, weight), "bases": int(weight)}
+
+
+StepFn = Callable[[int], tuple[float, float | None]]
+"""One optimizer step, all its micro batches: step index -> (this rank's loss, the mean over the step's micro
+batches; the gradient norm if the step measured it, else None and the engine's is logged)."""
+
+
+def forward_backward_step(
+    engine,
+    train_batch: Callable[[int, int], dict],
+    to_device: Callable[[dict], dict],
+    grad_accum: int,
+    on_gradients: Callable[[int], None] | None = None,
+) -> StepFn:
+    """The step of a plain DeepSpeed engine: engine(**batch), backward and step for each micro batch
+    train_batch(step, m); on_gradients(step) runs between the last backward and the optimizer step."""
+
+    def run(step: int) -> tuple[float, float | None]:
+        step_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
+        own_norm = None
+        for micro_step in range(grad_accum):
+            loss, _, _ = engine(**to_device(train_batch(step, micro_step)))
+            engine.backward(loss)
+            if micro_step == grad_accum - 1 and not _engine_reports_grad_norm(engine):
+                own_norm = _grad_norm(engine)  # gradients are reduced by now, step() clears them
+            if micro_step == grad_accum - 1 and on_gradients is not None:
+                on_gradients(step)
+            engine.step()
+            step_loss += loss.detach().to(torch.float64)
+        return float(step_loss) / grad_accum, own_norm  # float() waits for the device
+
+    return run
 
 
 def fit(
@@ -69,8 +120,17 @@ def fit(
     reduce_sum: Callable[[list[float]], list[float]],
     to_device: Callable[[dict], dict],
     progress: bool,
+    on_gradients: Callable[[int], None] | None = None,
+    train_step: StepFn | None = None,
 ) -> dict:
-    """Train from plan.start_step to plan.max_steps; returns the last logged train row and eval row."""
+    """Train from plan.start_step to plan.max_steps; returns the last logged train row and eval row.
+
+    train_step runs one optimizer step; by default forward_backward_step(engine, train_batch, to_device,
+    plan.grad_accum, on_gradients). pretrain.py chooses it once: that one, or a pipeline engine's
+    (parallel/pipeline.py train_step), which takes train_batch and on_gradients itself. on_gradients(step),
+    when given, runs at every step between the last backward and the optimizer step, when the gradients of
+    the step are complete (pretrain.py measures model-state memory there).
+    """
     from tqdm.auto import tqdm
 
     bar = tqdm(
@@ -81,6 +141,8 @@ def fit(
         dynamic_ncols=True,
         disable=not (progress and plan.rank == 0),
     )
+    if train_step is None:
+        train_step = forward_backward_step(engine, train_batch, to_device, plan.grad_accum, on_gradients)
     device = engine.device
     tokens_per_step = plan.global_batch * plan.seq_len
     last_train: dict = {}
@@ -90,22 +152,14 @@ def fit(
     engine.train()
     for step in range(plan.start_step, plan.stop_at):
         started = time.perf_counter()
-        step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        own_norm = None
-        for micro_step in range(plan.grad_accum):
-            loss, _, _ = engine(**to_device(train_batch(step, micro_step)))
-            engine.backward(loss)
-            if micro_step == plan.grad_accum - 1 and not _engine_reports_grad_norm(engine):
-                own_norm = _grad_norm(engine.module)  # gradients are reduced by now, step() clears them
-            _step_or_stop(engine, step, save_checkpoint)
-            step_loss += loss.detach().to(torch.float64)
-        window_loss += float(step_loss) / plan.grad_accum  # float() waits for the device
+        step_loss, own_norm = _step_or_stop(train_step, engine, step, save_checkpoint)
+        window_loss += step_loss
         window_time += time.perf_counter() - started
         window_steps += 1
         done = step + 1
         last = done == plan.stop_at
         if done % plan.log_interval == 0 or last:
-            mean_loss = reduce_sum([window_loss])[0] / (window_steps * plan.world_size)
+            mean_loss = reduce_sum([window_loss])[0] * plan.loss_shards / (window_steps * plan.world_size)
             tokens_per_s = tokens_per_step * window_steps / max(window_time, 1e-9)
             tflops = plan.flops_per_token * tokens_per_s / plan.world_size / 1e12
             grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
@@ -143,15 +197,15 @@ class TrainingStopped(RuntimeError):
     """Training cannot go on (e.g. fp16 overflow at the minimum loss scale); a checkpoint was saved first."""
 
 
-def _step_or_stop(engine, step: int, save_checkpoint: Callable[[int], None]) -> None:
-    """engine.step(), turning DeepSpeed's fp16 'loss scale already at minimum' into a clean stop.
+def _step_or_stop(train_step: StepFn, engine, step: int, save_checkpoint: Callable[[int], None]):
+    """train_step(step), turning DeepSpeed's fp16 'loss scale already at minimum' into a clean stop.
 
     An overflowing fp16 step is skipped by DeepSpeed (weights, optimizer and LR schedule untouched) and
-    the loss scale halves; once it sits at fp16.min_loss_scale and still overflows, DeepSpeed raises.
-    The weights are then those of the last applied step, so they are saved before stopping.
+    the loss scale halves; once it sits at fp16.min_loss_scale and still overflows, DeepSpeed raises from
+    the optimizer step. The weights are then those of the last applied step, so they are saved before stopping.
     """
     try:
-        engine.step()
+        return train_step(step)
     except Exception as e:
         if "loss scale already at minimum" not in str(e):
             raise
@@ -169,9 +223,9 @@ def _engine_reports_grad_norm(engine) -> bool:
     return bool(engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
 
 
-def _grad_norm(module: torch.nn.Module) -> float:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+def _grad_norm(engine) -> float:
+    # engine.mpu (the ParallelState) makes the norm count each gradient once under tensor parallelism.
+    return tensor_parallel.grad_norm(engine.module.parameters(), getattr(engine, "mpu", None))
 
 
 def _loss_scale(engine) -> float | None:

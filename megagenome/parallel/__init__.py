@@ -1,0 +1,1 @@
+"""Parallel layouts: rank -> group math (state.py) and Megatron-style tensor-parallel layers."""

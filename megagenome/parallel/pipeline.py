@@ -1,0 +1,329 @@
+"""Pipeline parallelism (layer L2): DNATransformer as a DeepSpeed PipelineModule, and its train and eval steps.
+
+DeepSpeed's pipeline engine runs a flat list of layers, each stage owning a contiguous slice of it:
+
+    index        layer                  spec
+    0            token embedding        TiedLayerSpec("embed") with --model.tie_embeddings, else LayerSpec
+    1 .. n       Block                  LayerSpec
+    n + 1        final RMSNorm          LayerSpec
+    n + 2        LM head                TiedLayerSpec("embed", forward_fn=tied_head), else LayerSpec(LMHead)
+
+Tied embeddings live on the first and the last stage; DeepSpeed all-reduces the two copies' gradients, so
+both hold the dense model's gradient (embedding part + head part) and stay equal. Between stages travels one
+(B, T, d_model) activation. A micro batch is (input_ids, (labels, loss_weight)): DeepSpeed feeds the first
+part to the first stage and hands the second to `loss_fn` on the last stage, so the loss weights travel with
+the labels. `loss_fn` is DNATransformer.forward's weighted cross-entropy, line for line.
+
+Initial weights are the dense model's: every rank builds DNATransformer with the run's seed (as pp=1 does)
+and copies the layers its stage owns (`build`), so a pp=2 run starts from, and can be compared with, pp=1.
+
+The loop drives this engine through `train_step` (one engine.train_batch per optimizer step, its micro
+batches pulled through DeepSpeed's schedule) and `eval_sums` (engine.eval_batch), chosen once in
+pretrain.py. Checkpoints are DeepSpeed's pipeline layout: one layer_XX-model_states.pt per layer (tied copies
+after the first are not written) plus one mp_rank_XX_model_states.pt of optimizer state per stage;
+`dense_state_dict` reassembles the layer files into DNATransformer's state dict.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megagenome.config import ModelConfig, ParallelConfig, RootConfig
+from megagenome.model import DNATransformer
+from megagenome.model.layers import Block, RMSNorm
+
+PARTITION_METHODS = ("parameters", "uniform")  # or "type:<layer class regex>"
+TIED_KEY = "embed"
+
+
+class LMHead(nn.Linear):
+    """Untied output head: logits over the padded vocabulary, sliced to the real one (as DNATransformer.logits)."""
+
+    def __init__(self, d_model: int, padded_vocab_size: int, vocab_size: int):
+        super().__init__(d_model, padded_vocab_size, bias=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[..., : self.vocab_size]  # (B, T, vocab_size)
+
+
+def tied_head(embedding: nn.Embedding, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Output head that shares the token embedding matrix (DeepSpeed calls forward_fn(module, input))."""
+    return F.linear(x, embedding.weight)[..., :vocab_size]  # (B, T, vocab_size)
+
+
+def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """DNATransformer.forward's weighted cross-entropy on the last stage; labels = (labels, loss_weight).
+
+    Training (gradients enabled: DeepSpeed's train_batch requires them) returns the scalar loss
+    nll_sum / max(weight_sum, 1) to backpropagate; evaluation (eval_batch runs under no_grad) returns
+    [nll_sum, weight_sum], so bits per base are exact sums over batches and ranks, not a mean of means.
+    """
+    targets, loss_weight = labels
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # (B*T,)
+    weight = loss_weight.float().flatten()  # (B*T,)
+    nll_sum = (ce * weight).sum()
+    weight_sum = weight.sum()
+    if torch.is_grad_enabled():
+        return nll_sum / weight_sum.clamp(min=1.0)
+    return torch.stack([nll_sum, weight_sum])  # (2,)
+
+
+def layer_specs(model: DNATransformer) -> list:
+    """`model` as the pipeline's layer list (module docstring); DeepSpeed builds only this rank's stage's layers."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    cfg, vocab_size, padded = model.cfg, model.vocab_size, model.padded_vocab_size
+    if cfg.tie_embeddings:
+        embed = TiedLayerSpec(TIED_KEY, nn.Embedding, padded, cfg.d_model)
+        head = TiedLayerSpec(
+            TIED_KEY, nn.Embedding, padded, cfg.d_model, forward_fn=functools.partial(tied_head, vocab_size=vocab_size)
+        )
+    else:
+        embed = LayerSpec(nn.Embedding, padded, cfg.d_model)
+        head = LayerSpec(LMHead, cfg.d_model, padded, vocab_size)
+    blocks = [LayerSpec(Block, cfg) for _ in range(cfg.n_layer)]
+    return [embed, *blocks, LayerSpec(RMSNorm, cfg.d_model, cfg.norm_eps), head]
+
+
+def dense_layer(model: DNATransformer, index: int) -> nn.Module:
+    """The module of the dense model that pipeline layer `index` is a copy of."""
+    n = model.cfg.n_layer
+    if index == 0:
+        return model.embed
+    if index <= n:
+        return model.blocks[index - 1]
+    if index == n + 1:
+        return model.norm
+    return model.embed if model.cfg.tie_embeddings else model.lm_head
+
+
+def problems(cfg: RootConfig) -> list[str]:
+    """Why the run config cannot run pipeline-parallel (empty when it can). The ZeRO stage, which lives in the
+    DeepSpeed JSON, is checked with the other merged-JSON checks (train/engine.py check_run_against_ds)."""
+    par, m = cfg.parallel, cfg.model
+    out = []
+    method = par.pipeline_partition
+    if method not in PARTITION_METHODS:
+        # DeepSpeed matches type:NAME as a case-insensitive regex against the layers' class names.
+        classes = ["Embedding", "Block", "RMSNorm"] + ([] if m.tie_embeddings else ["LMHead"])
+        name = method[len("type:") :] if method.startswith("type:") else ""
+        try:
+            found = bool(name) and any(re.search(name, c, re.IGNORECASE) for c in classes)
+        except re.error:
+            found = False
+        if not found:
+            out.append(
+                f"--parallel.pipeline_partition={method!r}: use parameters, uniform or type:NAME with NAME "
+                f"matching a layer class ({', '.join(classes)}), e.g. type:Block"
+            )
+    if par.pipeline_checkpoint_interval < 0:
+        out.append(f"--parallel.pipeline_checkpoint_interval={par.pipeline_checkpoint_interval}: must be >= 0")
+    if par.pipeline <= 1:
+        if par.pipeline_checkpoint_interval > 0:
+            out.append(
+                f"--parallel.pipeline_checkpoint_interval={par.pipeline_checkpoint_interval} only applies with "
+                "--parallel.pipeline > 1; use --model.checkpointing without pipeline parallelism"
+            )
+        return out
+    if m.n_layer < par.pipeline:
+        out.append(
+            f"--model.n_layer={m.n_layer} is below --parallel.pipeline={par.pipeline}: every stage needs at least "
+            "one transformer block"
+        )
+    if m.checkpointing in ("full", "every_k"):
+        out.append(
+            f"--model.checkpointing={m.checkpointing} is not run by the pipeline engine (it runs the layers "
+            "itself): with --parallel.pipeline > 1 use --parallel.pipeline_checkpoint_interval N instead "
+            "(recompute segments of N layers); --model.checkpointing selective still works"
+        )
+    if par.tensor > 1:
+        out.append(
+            f"--parallel.tensor={par.tensor} with --parallel.pipeline={par.pipeline} is not supported yet: the "
+            "pipeline stages are built from dense blocks"
+        )
+    return out
+
+
+def build(model: DNATransformer, par: ParallelConfig, state, checkpoint_fn: Callable | None = None):
+    """This rank's stage as a PipelineModule whose layers hold `model`'s weights (and its Blocks' selective
+    recompute function, so call model.set_checkpoint_function first).
+
+    state: the run's ParallelState; the stage layout must be DeepSpeed's pipe x data topology of the same
+    ranks. checkpoint_fn: the configured DeepSpeed checkpoint function when the DeepSpeed JSON has an
+    activation_checkpointing block (engine.activation_checkpoint_function), else None.
+    """
+    from deepspeed import checkpointing
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    if state.tp != 1 or state.sp != 1:
+        raise ValueError("pipeline parallelism runs with --parallel.tensor 1 and --parallel.sequence 1")
+    # DeepSpeed's topology numbers ranks pipe-major, data fastest: rank = stage * dp + dp_rank, which is
+    # ParallelState's layout with tp = sp = 1, so both agree on every rank's data-parallel index.
+    topology = PipeDataParallelTopology(num_pp=state.pp, num_dp=state.dp)
+    # Segments are recomputed with a non-reentrant checkpoint: a stage's first segment may start at the
+    # token embedding, whose integer input cannot carry gradients through a reentrant checkpoint.
+    if checkpoint_fn is None:
+        segment_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    elif checkpoint_fn is checkpointing.checkpoint:
+        segment_fn = checkpointing.non_reentrant_checkpoint
+    else:
+        segment_fn = checkpoint_fn
+    module = PipelineModule(
+        layers=layer_specs(model),
+        topology=topology,
+        loss_fn=loss_fn,
+        partition_method=par.pipeline_partition,
+        activation_checkpoint_interval=par.pipeline_checkpoint_interval,
+        activation_checkpoint_func=segment_fn,
+    )
+    assert module.mpu().get_data_parallel_rank() == state.get_data_parallel_rank(), "pipeline topology mismatch"
+    parts = module.partitions()
+    children = dict(module.named_children())  # LayerSpec layers are registered under their global index
+    with torch.no_grad():
+        for index in range(parts[module.stage_id], parts[module.stage_id + 1]):
+            local, dense = children.get(str(index)), dense_layer(model, index)
+            if local is not None:
+                local.load_state_dict(dense.state_dict())
+            if isinstance(local, Block):  # --model.checkpointing selective, as set_checkpoint_function installed it
+                local.attn.recompute_core = dense.attn.recompute_core
+        if TIED_KEY in module.tied_modules:
+            module.tied_modules[TIED_KEY].load_state_dict(model.embed.state_dict())
+    # Gradient norms (clipping, logging): DeepSpeed's fp32 ZeRO-0 clipping counts a parameter if its rank is
+    # first in the model-parallel group (here: the pipeline) or the parameter is marked model-parallel. Mark
+    # every stage's parameters except the second copy of a tied weight, so each counts exactly once.
+    for p in module.parameters():
+        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+    return module
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups by DNATransformer.param_groups' rule: matrices decay, 1-D tensors (norm scales) do not."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def as_pipe_batch(batch: dict[str, torch.Tensor]) -> tuple:
+    """A loader batch as DeepSpeed's pipeline micro batch: (inputs for stage 0, labels for the loss_fn)."""
+    return batch["input_ids"], (batch["labels"], batch["loss_weight"])
+
+
+def _own_grad_norm(engine) -> bool:
+    """Plain fp32 ZeRO-0 is the one case where DeepSpeed records no global gradient norm (train/loop.py)."""
+    return not (engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
+
+
+def _grad_norm(engine) -> float:
+    """2-norm of the step's gradients over every stage (each tied weight counted once)."""
+    import torch.distributed as dist
+
+    squares = torch.zeros((), dtype=torch.float64, device=engine.device)
+    for p in engine.module.parameters():
+        if p.grad is not None and not getattr(p, "ds_pipe_replicated", False):
+            squares += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(squares, group=engine.grid.get_pipe_parallel_group())
+    return float(squares.sqrt())
+
+
+def before_optimizer_step(engine, hook: Callable[[], None]) -> None:
+    """Run hook() on this rank right before each optimizer step of engine.train_batch, when the step's gradients
+    are reduced (data-parallel and tied) and not yet cleared: the pipeline engine executes its schedule's
+    OptimizerStep instruction through the engine's _INSTRUCTION_MAP, which is overridden for this engine only."""
+    from deepspeed.runtime.pipe import schedule
+
+    original = type(engine)._INSTRUCTION_MAP[schedule.OptimizerStep]
+
+    def step(self, *args, **kwargs):
+        hook()
+        return original(self, *args, **kwargs)
+
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, schedule.OptimizerStep: step}
+
+
+def train_step(
+    engine,
+    train_batch: Callable[[int, int], dict],
+    to_device: Callable[[dict], dict],
+    grad_accum: int,
+    on_gradients: Callable[[int], None] | None = None,
+) -> Callable[[int], tuple[float, float | None]]:
+    """The loop's step function (train/loop.py StepFn) for a pipeline engine: one engine.train_batch per
+    optimizer step, over the grad_accum micro batches train_batch(step, m) of this data-parallel rank.
+
+    Only the first and last stages read data (DeepSpeed pulls inputs and labels there), lazily. Returns
+    (loss, grad_norm): the loss is the step's mean over micro batches and data-parallel ranks, as DeepSpeed
+    broadcasts it to every stage; grad_norm is measured here under fp32 ZeRO-0, else None (the engine's).
+    on_gradients(step) runs on every rank right before the optimizer step.
+    """
+    current = {"step": -1, "norm": None}
+    own_norm = _own_grad_norm(engine)
+
+    def hook() -> None:
+        if own_norm:
+            current["norm"] = _grad_norm(engine)
+        if on_gradients is not None:
+            on_gradients(current["step"])
+
+    before_optimizer_step(engine, hook)
+
+    def run(step: int) -> tuple[float, float | None]:
+        current["step"], current["norm"] = step, None
+        micro_batches = (as_pipe_batch(to_device(train_batch(step, m))) for m in range(grad_accum))
+        loss = engine.train_batch(data_iter=micro_batches)
+        return float(loss), current["norm"]
+
+    return run
+
+
+def eval_sums(engine, batches: Iterable[dict], to_device: Callable[[dict], dict]) -> tuple[float, float]:
+    """(nll_sum, weight_sum) of this rank's evaluation batches through engine.eval_batch (train/loop.py
+    evaluate's `sums`). The last stage holds the sums; other stages return zeros, so a sum over all ranks
+    counts every data-parallel replica's batches once."""
+    micro_batches = [as_pipe_batch(to_device(b)) for b in batches]
+    if not micro_batches:
+        return 0.0, 0.0
+    # The last stage adds each micro batch's loss_fn output to total_loss, which DeepSpeed resets in train_batch
+    # only: still the last training step's scalar loss here, it would not take eval's [nll_sum, weight_sum].
+    engine.total_loss = None
+    outputs = engine.eval_batch(
+        iter(micro_batches),
+        compute_loss=True,
+        reduce_output=None,  # keep each micro batch's [nll_sum, weight_sum]
+        bcast_loss=False,
+        num_micro_batches=len(micro_batches),
+    )
+    if not engine.is_last_stage():
+        return 0.0, 0.0
+    nll, weight = (float(x) for x in torch.stack(outputs).double().sum(0))
+    return nll, weight
+
+
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
+
+
+def dense_state_dict(checkpoint_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """DNATransformer's state dict from a pipeline checkpoint directory (a step_XXXXXXXX tag): the layer files
+    renamed (layer 1 + i -> blocks.i.*); with tied embeddings lm_head.weight is embed.weight, as in the model."""
+    n = cfg.n_layer
+    prefix = {0: "embed.", n + 1: "norm.", n + 2: "lm_head."} | {1 + i: f"blocks.{i}." for i in range(n)}
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(checkpoint_dir)):
+        m = _LAYER_FILE.match(name)
+        if not m:
+            continue
+        state = torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=True)
+        out.update({prefix[int(m.group(1))] + k: v for k, v in state.items()})
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["embed.weight"]
+    return out

@@ -1,0 +1,134 @@
+"""Sequence-parallel attention checks run inside a 2-rank process group (a test worker, not a test).
+
+tests/ds_scenarios.py calls `attention_equivalence(run_dir)` as one of its scenarios, so it shares the
+launch with the sequence-parallel pretraining scenarios of tests/test_sequence_parallel.py. Every rank
+builds the same full-sequence reference locally, then the same computation split over the 2 ranks with
+DeepSpeed's DistributedAttention (engine.sequence_parallel_attention), and writes the largest differences it
+saw to <run_dir>/rank<r>.json; the test reads and judges them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megagenome.config import ModelConfig
+from megagenome.model import DNATransformer
+from megagenome.model.attention import attention
+from megagenome.parallel.sequence import shard_batch
+from megagenome.parallel.state import ParallelState
+from megagenome.train import engine
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def _core_case(sp_attention, group, rank: int, sp: int, causal: bool, dtype: torch.dtype) -> dict:
+    """DistributedAttention around the SDPA core against SDPA on the whole sequence: outputs and q/k/v grads."""
+    B, H, T, hd = 2, 4, 16, 8
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, g = (torch.randn(B, H, T, hd, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = attention(*full, causal=causal, kernel="sdpa")  # (B, H, T, hd)
+    (y * g).sum().backward()
+    chunk = slice(rank * T // sp, (rank + 1) * T // sp)
+    mine = [t[:, :, chunk].clone().requires_grad_() for t in (q, k, v)]
+
+    def core(q_, k_, v_):
+        return attention(q_, k_, v_, causal=causal, kernel="sdpa")
+
+    y_sp = sp_attention(core, *mine)  # (B, H, T/sp, hd)
+    (y_sp * g[:, :, chunk]).sum().backward()  # each rank's share of the same objective
+    return {
+        "output": _max_diff(y_sp, y[:, :, chunk]),
+        "grad": max(_max_diff(m.grad, f.grad[:, :, chunk]) for m, f in zip(mine, full)),
+    }
+
+
+def _model_case(sp_attention, group, rank: int, sp: int, objective: str, checkpointing: str, dtype) -> dict:
+    """A whole DNATransformer: chunk logits, summed chunk losses and sp-summed gradients against the model on
+    whole sequences, with non-uniform loss weights (zeros included)."""
+    cfg = ModelConfig(d_model=32, n_layer=2, n_head=4, max_seq_len=64, objective=objective, checkpointing=checkpointing)
+    B, T = 3, 32
+    gen = torch.Generator().manual_seed(11)
+    batch = {
+        "input_ids": torch.randint(0, 6, (B, T), generator=gen),
+        "labels": torch.randint(0, 6, (B, T), generator=gen),
+        "loss_weight": torch.rand(B, T, generator=gen, dtype=torch.float64).round(decimals=1).float(),
+    }
+    torch.manual_seed(0)
+    ref = DNATransformer(cfg, 8).to(dtype)
+    torch.manual_seed(0)
+    model = DNATransformer(cfg, 8).to(dtype)
+    model.set_sequence_parallel(sp_attention, rank, sp)
+
+    loss, nll, weight = ref(**batch)
+    loss.backward()
+    logits = ref.logits(batch["input_ids"]).detach()
+
+    part = shard_batch(batch, rank, sp)
+    loss_sp, nll_sp, weight_sp = model(**part)
+    loss_sp.backward()
+    for p in model.parameters():  # what DeepSpeed does over the sequence-data-parallel group (here sp only)
+        torch.distributed.all_reduce(p.grad, group=group)
+    totals = torch.stack([loss_sp.detach().double(), nll_sp.detach().double(), weight_sp.detach().double()])
+    torch.distributed.all_reduce(totals, group=group)
+    chunk = slice(rank * T // sp, (rank + 1) * T // sp)
+    with torch.no_grad():
+        logits_sp = model.logits(part["input_ids"])
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {
+        "logits": _max_diff(logits_sp, logits[:, chunk]),
+        "loss": abs(float(totals[0]) - float(loss)),
+        "nll": abs(float(totals[1]) - float(nll)),
+        "weight": abs(float(totals[2]) - float(weight)),
+        "grad": max(_max_diff(grads[n], p.grad) for n, p in ref.named_parameters()),
+        "grad_scale": max(float(p.grad.abs().max()) for p in ref.parameters()),
+    }
+
+
+def _controls(sp_attention, rank: int, sp: int) -> dict:
+    """Logit differences of deliberately broken splits, so the test can show it would catch them: the chunk
+    run with chunk-local attention (no hook), and with the hook but rotary positions not offset."""
+    out = {}
+    for objective in ("clm", "mlm"):
+        cfg = ModelConfig(d_model=32, n_layer=2, n_head=4, max_seq_len=64, objective=objective)
+        ids = torch.randint(0, 6, (2, 32), generator=torch.Generator().manual_seed(3))
+        torch.manual_seed(0)
+        model = DNATransformer(cfg, 8)
+        chunk = slice(rank * 32 // sp, (rank + 1) * 32 // sp)
+        with torch.no_grad():
+            full = model.logits(ids)[:, chunk]
+            local = model.logits(ids[:, chunk])
+            model.set_sequence_parallel(sp_attention, rank, sp)
+            for block in model.blocks:
+                block.attn.sequence_rank = 0
+            unrotated = model.logits(ids[:, chunk])
+        out[f"control/{objective}/local_attention"] = _max_diff(local, full)
+        out[f"control/{objective}/no_rotary_offset"] = _max_diff(unrotated, full)
+    return out
+
+
+def attention_equivalence(run_dir: str) -> None:
+    rank, _, world = engine.init_distributed()
+    state = ParallelState.build(rank, world, sp=world)
+    group = state.get_sequence_parallel_group()
+    sp_attention = engine.sequence_parallel_attention(group)
+    results = {}
+    for dname, dtype in DTYPES.items():
+        for causal in (True, False):
+            results[f"core/{dname}/causal={causal}"] = _core_case(sp_attention, group, rank, world, causal, dtype)
+        for objective in ("clm", "mlm"):
+            for ckpt in ("none", "selective", "full"):
+                key = f"model/{dname}/{objective}/{ckpt}"
+                results[key] = _model_case(sp_attention, group, rank, world, objective, ckpt, dtype)
+    results["controls"] = _controls(sp_attention, rank, world)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
+        json.dump(results, fh, indent=1)
+    engine.barrier()

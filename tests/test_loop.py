@@ -1,0 +1,140 @@
+"""Tier 1: the training loop's own logic, driven by a stand-in engine.
+
+A mock here on purpose: DeepSpeed's fp16 path cannot run on the CPU accelerator ("Type fp16 is not
+supported on your device"), so the overflow handling megagenome adds around engine.step() is tested
+against an object with the engine's interface. The real fp16 engine is exercised by the GPU-marked
+tests in tests/test_fp16_gpu.py.
+"""
+
+import pytest
+import torch
+
+from megagenome.metrics import MetricsWriter, read_metrics
+from megagenome.train.loop import LoopPlan, TrainingStopped, fit
+
+
+class FakeFp16Engine:
+    """Engine interface of a DeepSpeed fp16 engine whose loss scaler overflows on chosen steps."""
+
+    def __init__(self, overflow_steps=(), collapse_at=None):
+        self.device = torch.device("cpu")
+        self.module = torch.nn.Linear(2, 2)
+        self.overflow_steps, self.collapse_at = set(overflow_steps), collapse_at
+        self.optimizer = type("Opt", (), {"cur_scale": 1024.0})()
+        self.skipped_steps, self.applied, self.calls = 0, 0, 0
+
+    def __call__(self, **batch):
+        loss = (self.module.weight**2).sum()
+        return loss, loss.detach(), torch.tensor(1.0)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.calls += 1
+        if self.calls == self.collapse_at:
+            raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
+        if self.calls in self.overflow_steps:  # DeepSpeed skips the update and halves the scale
+            self.skipped_steps += 1
+            self.optimizer.cur_scale /= 2
+        else:
+            self.applied += 1
+
+    def train(self):
+        pass
+
+    def eval(self):
+        pass
+
+    def fp16_enabled(self):
+        return True
+
+    def bfloat16_enabled(self):
+        return False
+
+    def zero_optimization(self):
+        return False
+
+    def get_lr(self):
+        return [1e-3]
+
+    def get_global_grad_norm(self):
+        return None
+
+
+def plan(max_steps=5):
+    return LoopPlan(
+        start_step=0,
+        max_steps=max_steps,
+        stop_at=max_steps,
+        grad_accum=1,
+        global_batch=1,
+        seq_len=4,
+        log_interval=1,
+        eval_interval=0,
+        ckpt_interval=0,
+        flops_per_token=1.0,
+        peak_tflops=None,
+        world_size=1,
+        rank=0,
+    )
+
+
+def run_fit(engine, tmp_path, saved):
+    writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
+    return fit(
+        engine,
+        plan(),
+        lambda step, micro: {},
+        lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
+        saved.append,
+        writer,
+        lambda values: values,
+        lambda batch: batch,
+        progress=False,
+    )
+
+
+def test_skipped_steps_and_loss_scale_are_logged(tmp_path):
+    engine = FakeFp16Engine(overflow_steps={2, 3})
+    run_fit(engine, tmp_path, saved := [])
+    rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "split" not in r]
+    assert [r["skipped_steps"] for r in rows] == [0, 1, 2, 2, 2]
+    assert [r["loss_scale"] for r in rows] == [1024.0, 512.0, 256.0, 256.0, 256.0]
+    assert engine.applied == 3 and saved == [5]
+
+
+def test_overflow_at_minimum_scale_stops_with_a_checkpoint(tmp_path):
+    engine = FakeFp16Engine(collapse_at=4)
+    with pytest.raises(TrainingStopped, match="overflowed at step 4 .* Checkpoint of step 3 saved"):
+        run_fit(engine, tmp_path, saved := [])
+    assert saved == [3]  # the weights of the last applied step, saved before stopping
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_other_engine_errors_are_not_swallowed(tmp_path):
+    engine = FakeFp16Engine()
+    engine.step = lambda: (_ for _ in ()).throw(RuntimeError("NCCL timeout"))
+    with pytest.raises(RuntimeError, match="NCCL timeout"):
+        run_fit(engine, tmp_path, [])
+
+
+def test_summary_of_a_run_stopped_before_any_evaluation(capsys):
+    from megagenome.pretrain import _print_summary
+
+    _print_summary(
+        {
+            "run_dir": "r",
+            "parameters": 10,
+            "steps": 3,
+            "train_loss": 1.2,
+            "heldout_bits_per_base": None,
+            "markov_bits_per_base": {"0": 2.0},
+            "best_markov_order": 0,
+            "beats_best_markov": False,
+            "tokens_per_s_median": None,
+            "wall_s": 1.0,
+        }
+    )
+    assert "not evaluated yet" in capsys.readouterr().out
