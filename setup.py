@@ -29,7 +29,7 @@ setup(
         "gpu": ["flash-attn==2.8.3.post2"],
         "dev": ["pytest==9.2.0", "ruff==0.17.6"],
         # benchmarks/memory_sweep.py draws its PNG with matplotlib; nothing else imports it.
-        "bench": ["matplotlib==3.11.2"],
+        "bench": ["matplotlib==3.10.9"],
     },
     entry_points={"console_scripts": ["megagenome=megagenome.cli:main"]},
 )
