@@ -50,6 +50,8 @@ import tempfile
 import time
 import traceback
 
+from hardware import cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = {"d_model": 512, "n_layer": 16, "n_head": 8, "max_seq_len": 2048}
@@ -214,16 +216,6 @@ def worker(out: pathlib.Path, plan: list, rounds: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- driver
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def launch(nproc: int, work: pathlib.Path, run: tuple, rounds: int) -> tuple[int, str]:

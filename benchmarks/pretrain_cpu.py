@@ -18,12 +18,13 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from hardware import cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -56,16 +57,6 @@ def rows(run_dir: pathlib.Path) -> list[dict]:
 def throughput(run_dir: pathlib.Path) -> float:
     train = [r for r in rows(run_dir) if "split" not in r]
     return statistics.median(r["tokens_per_s"] for r in train[1:])
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:

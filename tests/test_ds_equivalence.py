@@ -150,7 +150,7 @@ class Runs:
         return {k: v.detach().float() for k, v in state["module"].items()}
 
 
-def run_worker(root, scenarios: list[dict], world_size: int) -> Runs:
+def run_worker(root, scenarios: list[dict], world_size: int, runs_cls: type = Runs) -> Runs:
     """Run every scenario in one process group of world_size ranks; returns the runs however it ended."""
     spec = root / "spec.json"
     log = root / "worker.log"
@@ -169,7 +169,7 @@ def run_worker(root, scenarios: list[dict], world_size: int) -> Runs:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
-    return Runs(root, world_size, rc, log)
+    return runs_cls(root, world_size, rc, log)
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,13 @@ replicated norm weights on both tensor ranks is off by 7.5e-5 relative.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 
 import pytest
 import torch
-from helpers import BIN, PYTHON, REPO, copy_genome, env, free_port, tiny_config
+from helpers import REPO, copy_genome, tiny_config
+from test_ds_equivalence import Runs, max_abs_diff, run_worker
 
 from megagenome.config import DataConfig, LogConfig, ModelConfig, ParallelConfig, RootConfig, TrainConfig
-from megagenome.metrics import read_metrics
 from megagenome.parallel import tensor_parallel as tp
 
 STEPS, STOP = 6, 3
@@ -50,7 +47,6 @@ LOSS_ATOL = 1e-6  # per-step training loss and final held-out loss after STEPS A
 NORM_RTOL = 1e-5  # gradient norm per step, relative (measured <= 1e-7)
 WEIGHT_ATOL = 1e-6  # every element of every weight after STEPS steps
 DROPOUT = 0.1
-WORKER_TIMEOUT_S = 300
 
 
 # ----- tier 1 ------------------------------------------------------------------------------------------------------
@@ -146,31 +142,13 @@ def four_rank_scenarios(root, fasta: str) -> list[dict]:
     return [scenario(root, fasta, "tp2_dp2_micro4_zero1", ds("zero1"), 4, tensor=2)]
 
 
-class Runs:
-    """The scenarios of one worker invocation, read back from their run directories."""
-
-    def __init__(self, root, world_size: int, rc: int, log_path):
-        self.root, self.world_size, self.rc, self.log_path = root, world_size, rc, log_path
-
-    def _tail(self, name: str) -> str:
-        errors = "".join(f"{f.name}:\n{f.read_text()[-3000:]}\n" for f in sorted((self.root / name).glob("error_*")))
-        tail = self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
-        return f"{errors}worker ({self.world_size} rank(s), rc {self.rc}) output tail:\n{tail}"
-
-    def rows(self, name: str) -> list[dict]:
-        assert (self.root / name / "summary.json").exists(), f"scenario {name} did not finish\n{self._tail(name)}"
-        return read_metrics(str(self.root / name / "metrics.jsonl"))
+class TPRuns(Runs):
+    """Runs whose checkpoints hold one shard per tensor-parallel rank."""
 
     def train_rows(self, name: str) -> list[dict]:
         rows = [r for r in self.rows(name) if "split" not in r]
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), (name, [r["step"] for r in rows])
         return rows
-
-    def losses(self, name: str) -> list[float]:
-        """Training loss of steps 1..STEPS, then the final held-out loss."""
-        final = [r for r in self.rows(name) if r.get("split") == "val" and r["step"] == STEPS]
-        assert len(final) == 1, name
-        return [r["loss"] for r in self.train_rows(name)] + [final[0]["loss"]]
 
     def weights(self, name: str) -> dict[str, torch.Tensor]:
         """The final weights, dense: mp_rank_XX_model_states.pt (one file per tensor rank, written by data-parallel
@@ -186,28 +164,9 @@ class Runs:
         out = []
         for rank in range(self.world_size):
             path = self.root / "checks" / f"rank{rank}.json"
-            assert path.exists(), f"tensor-parallel checks did not finish\n{self._tail('checks')}"
+            assert path.exists(), f"tensor-parallel checks did not finish\n{self._output_tail('checks')}"
             out.append(json.loads(path.read_text()))
         return out
-
-
-def run_worker(root, scenarios: list[dict], world_size: int) -> Runs:
-    spec, log = root / "spec.json", root / "worker.log"
-    spec.write_text(json.dumps({"scenarios": scenarios, "log": str(root / "scenarios.jsonl")}))
-    script = str(REPO / "tests" / "ds_scenarios.py")
-    if world_size == 1:
-        cmd = [PYTHON, script, "--spec", str(spec)]
-    else:
-        launcher = [str(BIN / "deepspeed"), "--num_gpus", str(world_size), "--master_port", str(free_port())]
-        cmd = [*launcher, script, "--spec", str(spec)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=WORKER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # every rank the launcher started
-            rc = proc.wait()
-    return Runs(root, world_size, rc, log)
 
 
 @pytest.fixture(scope="module")
@@ -218,26 +177,19 @@ def phix(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank(phix, tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("tp_ws1")
-    return run_worker(root, one_rank_scenarios(root, phix), 1)
+    return run_worker(root, one_rank_scenarios(root, phix), 1, TPRuns)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(phix, tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("tp_ws2")
-    return run_worker(root, two_rank_scenarios(root, phix), 2)
+    return run_worker(root, two_rank_scenarios(root, phix), 2, TPRuns)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(phix, tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("tp_ws4")
-    return run_worker(root, four_rank_scenarios(root, phix), 4)
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
-    for k in a:
-        assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return run_worker(root, four_rank_scenarios(root, phix), 4, TPRuns)
 
 
 def assert_equivalent(runs_a: Runs, a: str, runs_b: Runs, b: str, loss_atol: float, weight_atol: float) -> None:
