@@ -1,4 +1,5 @@
-"""Command line (layer L5): `megagenome pretrain --config configs/tiny.yaml [--section.field value ...]`.
+"""Command line (layer L5): `megagenome pretrain --config configs/tiny.yaml [--section.field value ...]` and
+`megagenome convert-checkpoint --checkpoint <run dir or step_X> [--output DIR]`.
 
 jsonargparse builds the flags from the config dataclasses; the docstring under each field is its
 help text. Precedence: command line > YAML given with --config > dataclass defaults. Unknown keys,
@@ -30,10 +31,40 @@ def pretrain_parser() -> ArgumentParser:
     return parser
 
 
+def convert_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="megagenome convert-checkpoint",
+        description="Convert a checkpoint into DeepSpeed's universal format, which resumes at another data-parallel "
+        "size or tensor-parallel degree (--checkpoint.resume <output> --checkpoint.universal true). The source is "
+        "only read.",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=str,
+        required=True,
+        help="A checkpoint directory (<run dir>/checkpoints/step_XXXXXXXX), or a run directory or its checkpoints/ "
+        "directory (the newest complete checkpoint there).",
+    )
+    parser.add_argument(
+        "--output",
+        type=str | None,
+        default=None,
+        help="Directory to write the universal checkpoint into, as step_XXXXXXXX/ (default: "
+        "<run dir>/checkpoints_universal).",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=4, help="Processes DeepSpeed's converter uses to extract ZeRO shards."
+    )
+    return parser
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="megagenome", description="Pretrain genomic (DNA) language models on DeepSpeed.")
     sub = parser.add_subcommands(dest="command")
     sub.add_subcommand("pretrain", pretrain_parser(), help="Pretrain a DNA language model.")
+    sub.add_subcommand(
+        "convert-checkpoint", convert_parser(), help="Convert a checkpoint to resume it under another layout."
+    )
     return parser
 
 
@@ -85,8 +116,26 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"megagenome pretrain: stopped: {e}", file=sys.stderr)
             return 3
         return 0
+    if ns.command == "convert-checkpoint":
+        return convert_checkpoint(ns["convert-checkpoint"])
     parser.print_help()
     return 2
+
+
+def convert_checkpoint(ns) -> int:
+    from megagenome.train import checkpoint
+
+    if ns.workers < 1:
+        print(f"megagenome convert-checkpoint: error: --workers={ns.workers}: must be positive", file=sys.stderr)
+        return 2
+    try:
+        out = checkpoint.convert_to_universal(ns.checkpoint, ns.output, workers=ns.workers)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"megagenome convert-checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    print(f"megagenome: universal checkpoint written to {out}")
+    print(f"resume with: --checkpoint.resume {os.path.dirname(out)} --checkpoint.universal true")
+    return 0
 
 
 if __name__ == "__main__":

@@ -178,6 +178,10 @@ class CheckpointConfig:
     (refused if the run directory already has checkpoints); or a checkpoint directory to load."""
     keep_last: int = 2
     """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
+    universal: bool = False
+    """Load --checkpoint.resume as a universal checkpoint (written by `megagenome convert-checkpoint`), which may
+    resume under another data-parallel size or tensor/sequence-parallel degree (ZeRO stage 1-3, no pipeline
+    stages); sets DeepSpeed's checkpoint.load_universal."""
 
 
 @dataclass

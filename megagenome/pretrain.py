@@ -57,6 +57,7 @@ class Prepared:
     data: GenomeData
     resume_from: str | None
     dp_size: int
+    layout: dict  # checkpoint.LAYOUT_KEYS of this run
 
 
 def _locate(problems: list[str], config_files: list[str]) -> list[str]:
@@ -77,13 +78,13 @@ def _locate(problems: list[str], config_files: list[str]) -> list[str]:
 def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepared:
     """Validate everything that can be checked without a process group; raise ConfigError listing all."""
     par = cfg.parallel
-    layout = layout_problems(world_size, par.tensor, par.pipeline, par.sequence)
-    dp_size = world_size // (par.tensor * par.pipeline * par.sequence) if not layout else 1
+    bad_layout = layout_problems(world_size, par.tensor, par.pipeline, par.sequence)
+    dp_size = world_size // (par.tensor * par.pipeline * par.sequence) if not bad_layout else 1
     sequence = sequence_problems(cfg.data.seq_len, cfg.model.n_head, par.sequence, par.tensor, par.pipeline)
     tensor = tensor_parallel.tensor_parallel_problems(
         cfg.model.n_head, d_ff(cfg.model), padded_vocab_size(VOCAB_SIZE), par.tensor
     )
-    problems = layout + _locate(validate(cfg, dp_size) + sequence + tensor + pipeline.problems(cfg), config_files)
+    problems = bad_layout + _locate(validate(cfg, dp_size) + sequence + tensor + pipeline.problems(cfg), config_files)
     source = config_files[-1] if config_files else "the command line"
     files = ds_config_files(cfg.train)
     ds_json, sources, merge_problems = ds.merge_fragments(files)
@@ -98,16 +99,34 @@ def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepar
             data = build_genome_data(cfg.data, cfg.model.objective)
         except (ValueError, OSError) as e:
             problems.append(str(e))
+    zero = ds_json.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    layout = {
+        "world_size": world_size,
+        "tensor": par.tensor,
+        "pipeline": par.pipeline,
+        "sequence": par.sequence,
+        "data_parallel": dp_size,
+        "zero_stage": stage if isinstance(stage, int) else 0,
+    }
     resume_from = None
     try:
         resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, _ckpt_root(cfg))
     except ValueError as e:
         problems.append(str(e))
+    if resume_from is not None and not bad_layout:
+        global_batch = batch_sizes(cfg.train, dp_size)[2]
+        problems += checkpoint.resume_problems(resume_from, layout, cfg.checkpoint.universal, global_batch)
+    elif cfg.checkpoint.universal and resume_from is None:
+        problems.append(
+            f"--checkpoint.universal true but --checkpoint.resume={cfg.checkpoint.resume} names no checkpoint to "
+            "load: give the converted checkpoint's directory (<run dir>/checkpoints_universal by default)"
+        )
     if problems:
         if data is not None:
             data.close()
         raise ConfigError(problems)
-    return Prepared(ds_json, data, resume_from, dp_size)
+    return Prepared(ds_json, data, resume_from, dp_size, layout)
 
 
 def dry_run(cfg: RootConfig, config_files: list[str], args: list[str]) -> dict:
@@ -226,7 +245,8 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     chash = config_hash(cfg)
     start_step = 0
     if prep.resume_from is not None:
-        client = checkpoint.load(engine, prep.resume_from, rank)
+        same = checkpoint.rng_applies(prep.resume_from, prep.layout)  # per-rank RNG states: only the same layout's
+        client = checkpoint.load(engine, prep.resume_from, rank, restore_rng=same)
         if client.get("config_hash") not in (None, chash):
             raise ConfigError(
                 [
@@ -235,6 +255,8 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
                 ]
             )
         start_step = int(client["step"])
+        if not same:  # fresh dropout streams, distinct from those of steps 1..start_step and per data-parallel rank
+            torch.manual_seed(cfg.train.seed + 1000 * (rank // par.tensor) + 1_000_003 * start_step)
         writer.truncate_after(start_step)
         if rank == 0:
             print(f"megagenome: resumed from {prep.resume_from} at step {start_step}", flush=True)
@@ -256,7 +278,7 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
 
     def save(step: int) -> None:
         state = {"step": step, "samples_consumed": step * global_batch, "config_hash": chash, "world_size": world_size}
-        checkpoint.save(engine, ckpt_root, step, state, rank, cfg.checkpoint.keep_last, ds.barrier)
+        checkpoint.save(engine, ckpt_root, step, state, rank, cfg.checkpoint.keep_last, ds.barrier, prep.layout)
 
     plan = LoopPlan(
         start_step=start_step,
