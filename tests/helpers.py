@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -90,3 +91,24 @@ def tiny_config(tmp: pathlib.Path, fasta: str, run_dir: pathlib.Path, **override
         section, key = dotted.split("__")
         cfg[section][key] = value
     return cfg
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A real gloo process group of one rank in this process (DeepSpeed's checkpointing and PipelineModule need
+    one); the group and the launcher variables it sets are undone afterwards."""
+    from megagenome.train import engine
+
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    engine.init_distributed()
+    try:
+        yield
+    finally:
+        engine.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -18,11 +18,10 @@ ds_configs/activation_checkpointing.json in a one-process gloo world):
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from helpers import REPO, free_port
+from helpers import REPO, world_of_one
 
 from megagenome.config import ModelConfig, RootConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
@@ -65,19 +64,10 @@ def deepspeed_checkpoint():
     """DeepSpeed's checkpoint function in a world of one (gloo); the process group and env are undone after."""
     from megagenome.train import engine
 
-    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    engine.init_distributed()
-    block = json.loads((REPO / "ds_configs" / "activation_checkpointing.json").read_text())
-    ds_config = engine.build_ds_config(RootConfig(), block, dp_size=1, on_gpu=False)  # as pretrain.py builds it
-    yield engine.activation_checkpoint_function(ds_config)
-    engine.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with world_of_one():
+        block = json.loads((REPO / "ds_configs" / "activation_checkpointing.json").read_text())
+        ds_config = engine.build_ds_config(RootConfig(), block, dp_size=1, on_gpu=False)  # as pretrain.py builds it
+        yield engine.activation_checkpoint_function(ds_config)
 
 
 @pytest.fixture(params=["torch", "deepspeed"])

@@ -33,9 +33,10 @@ import json
 import os
 import re
 
+import helpers
 import pytest
 import torch
-from helpers import REPO, cli, copy_genome, free_port, tiny_config, write_yaml
+from helpers import REPO, cli, copy_genome, tiny_config, write_yaml
 from test_activation_checkpointing import param_storages, saved_bytes
 from test_ds_equivalence import BF16_LOSS_ATOL, LOSS_ATOL, STEPS, STOP, WEIGHT_ATOL, Runs, ds, max_abs_diff, run_worker
 
@@ -143,19 +144,9 @@ B, T = 2, 32
 def world_of_one():
     """A gloo process group of one rank (PipelineModule creates groups), undone afterwards."""
     from megagenome.parallel.state import ParallelState
-    from megagenome.train import engine
 
-    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    engine.init_distributed()
-    yield ParallelState.build(0, 1)
-    engine.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with helpers.world_of_one():
+        yield ParallelState.build(0, 1)
 
 
 def dense_and_stage(state, tie=True, interval=0, dropout=0.0, policy="none", checkpoint_fn=None):
