@@ -1,5 +1,6 @@
-"""What machine a benchmark ran on, for the results files."""
+"""What machine and software a benchmark ran on, for the results files."""
 
+import os
 import platform
 
 
@@ -13,3 +14,17 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def hardware() -> str:
+    """CPU model, core count and physical memory."""
+    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu_name()}, {os.cpu_count()} cores, {ram_gib:.0f} GiB RAM"
+
+
+def software() -> str:
+    """Python, torch and deepspeed versions (imports both, so call it after the timed work)."""
+    import deepspeed
+    import torch
+
+    return f"python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}"

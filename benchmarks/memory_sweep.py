@@ -40,7 +40,6 @@ import gc
 import json
 import os
 import pathlib
-import platform
 import shlex
 import signal
 import statistics
@@ -50,7 +49,7 @@ import tempfile
 import time
 import traceback
 
-from hardware import cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from hardware import hardware, software  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -434,15 +433,12 @@ def main() -> None:
     wall = time.time() - started
     rows_file = work / "cells.jsonl"
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
-    import deepspeed
-    import torch
 
     meta = {
         "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
-        "hardware": f"{cpu_name()}, {os.cpu_count()} cores, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM",
-        "software": f"python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}",
+        "hardware": hardware(),
+        "software": software(),
         "nproc": args.nproc,
         "grid": args.grid,
         "rounds": args.rounds,

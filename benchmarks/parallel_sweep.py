@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import shlex
 import shutil
 import statistics
@@ -40,7 +39,7 @@ import tempfile
 import time
 import traceback
 
-from hardware import cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from hardware import hardware, software  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -346,15 +345,12 @@ def main() -> None:
             rows.append({"cell": name, "tp": tp, "pp": pp, "error": refused[name]})
         else:
             rows.append(summarise(work, name, tp, pp))
-    import deepspeed
-    import torch
 
     meta = {
         "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
-        "hardware": f"{cpu_name()}, {os.cpu_count()} cores, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM",
-        "software": f"python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}",
+        "hardware": hardware(),
+        "software": software(),
         "steps": args.steps,
         "wall_s": wall,
         "rc": rc,
