@@ -1,21 +1,28 @@
-"""Tensor and pipeline parallelism on 2 CPU ranks: parameter bytes, step time and communication per step.
+"""Tensor and pipeline parallelism on 2 and 4 CPU ranks: parameter and activation bytes, step time, communication.
 
-Cells (fp32, ZeRO-0, 2 ranks, gloo): tp=1/pp=1 (2 data-parallel ranks, the baseline), tp=2/pp=1 and tp=1/pp=2;
-tp=2 with pp=2 is refused by the run-config validation (recorded as a row with the message). Model: d_model 256,
-4 layers, 4 heads, seq_len 512, micro batch 2 (x 2 accumulation under pp=2, so that the pipeline schedule has
-micro batches), on tests/data/phiX174_NC_001422.1.fna, 6 steps logged every step. For each cell:
+Two launches (fp32, ZeRO-0, gloo), each running its cells in one process group at one global batch, so step times
+compare per token: 2 ranks (global batch 4 sequences): tp=1/pp=1 (2 data-parallel ranks, the baseline), tp=2 and
+pp=2; 4 ranks (global batch 8): tp=1/pp=1 (4 data-parallel ranks), tp=2 x dp=2, pp=2 x dp=2 and tp=2 x pp=2.
+Micro batch 2; gradient accumulation makes up the global batch (and gives the pipeline schedule its micro
+batches). Model: d_model 256, 4 layers, 4 heads, seq_len 512, on tests/data/phiX174_NC_001422.1.fna, 6 steps
+logged every step. The machine has 2 cores: the 4-rank launch runs 2 ranks per core, so its step times carry that
+oversubscription equally in every cell. For each cell:
 
 - per-rank parameter bytes: memory.json ranks[i]["params"] (written by every `megagenome pretrain` run);
+- per-rank activation bytes: the peak, over a training step, of the bytes autograd holds for backward (distinct
+  storages packed through torch.autograd.graph.saved_tensors_hooks and not yet released, parameters excluded);
+  under pp=2 that is every micro batch in flight in DeepSpeed's schedule;
 - step time: seconds per step from the median metrics.jsonl tokens_per_s after the first 2 steps, and its
-  ratio to the tp=1/pp=1 cell (the global batch differs: 4 sequences for tp=1/pp=1, 2 for tp=2, 4 for pp=2);
-- communication per training step, by collective, process group (its global ranks) and calling file, counted
-  by wrapping torch.distributed's collectives in the worker (megagenome's tensor-parallel layers call
-  torch.distributed directly, which DeepSpeed's comms logger does not see), and DeepSpeed's comms logger
-  totals (deepspeed.comm.comms_logger.comms_dict; enabled by a comms_logger fragment composed with
-  zero0.json), both only inside the training step function (not evaluation, logging or start-up).
+  ratio to the same launch's tp=1/pp=1 cell;
+- communication per training step by parallel dimension (tp, pp, dp, or a group of one rank), collective and
+  calling file, from DeepSpeed's comms logger (a comms_logger fragment composed with zero0.json). megagenome's
+  tensor-parallel layers call torch.distributed; this worker points their module at deepspeed.comm, which has the
+  same functions, so the logger sees them too. A second count wraps torch.distributed's collectives themselves
+  (largest buffer of each call), labelled with the parallel dimension of each call's group.
+  Both count only inside the training step function (not evaluation, logging or start-up).
 
-All cells run in one `deepspeed --num_gpus 2` launch of this script (a worker mode, like tests/ds_scenarios.py),
-each through pretrain.run(cfg, [], keep_process_group=True).
+All cells of a launch run in one `deepspeed --num_gpus N` launch of this script (a worker mode, like
+tests/ds_scenarios.py), each through pretrain.run(cfg, [], keep_process_group=True).
 
     python benchmarks/parallel_sweep.py [--steps 6]
 
@@ -44,24 +51,28 @@ from hardware import hardware, software  # noqa: E402  (benchmarks/ is on sys.pa
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 FASTA = REPO / "tests" / "data" / "phiX174_NC_001422.1.fna"
-NPROC = 2
-CELLS = [("tp1_pp1", 1, 1), ("tp2_pp1", 2, 1), ("tp1_pp2", 1, 2), ("tp2_pp2", 2, 2)]
-BASELINE = "tp1_pp1"
+# world size -> (global batch in sequences, cells (name, tp, pp))
+LAUNCHES = {
+    2: (4, [("w2_tp1_pp1", 1, 1), ("w2_tp2_pp1", 2, 1), ("w2_tp1_pp2", 1, 2)]),
+    4: (8, [("w4_tp1_pp1", 1, 1), ("w4_tp2_pp1", 2, 1), ("w4_tp1_pp2", 1, 2), ("w4_tp2_pp2", 2, 2)]),
+}
+MICRO = 2
 SKIP_STEPS = 2
 COMMS_FRAGMENT = {"comms_logger": {"enabled": True, "verbose": False, "prof_all": True}}
 OPS = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter", "broadcast"]
 OPS += ["send", "recv", "isend", "irecv", "reduce", "all_to_all_single", "gather", "scatter"]
 
 
-def cell_config(work: pathlib.Path, name: str, tp: int, pp: int, steps: int) -> dict:
+def cell_config(work: pathlib.Path, name: str, world: int, tp: int, pp: int, steps: int) -> dict:
+    dp = world // (tp * pp)
     return {
         "model": {"d_model": 256, "n_layer": 4, "n_head": 4, "max_seq_len": 512},
         "data": {"fasta": str(work / FASTA.name), "seq_len": 512, "val_ranges": ["NC_001422.1:4301-5386"]}
         | {"eval_windows": 2},
         "train": {
             "ds_config": [str(REPO / "ds_configs" / "zero0.json"), str(work / "comms_logger.json")],
-            "micro_batch_size": 2,
-            "grad_accum_steps": 2 if pp > 1 else 1,
+            "micro_batch_size": MICRO,
+            "grad_accum_steps": LAUNCHES[world][0] // (MICRO * dp),
             "max_steps": steps,
             "warmup_steps": 2,
             "log_interval": 1,
@@ -76,7 +87,7 @@ def cell_config(work: pathlib.Path, name: str, tp: int, pp: int, steps: int) -> 
 
 # ---------------------------------------------------------------------------------------------------- worker
 
-STATE = {"in_step": False, "steps": 0}
+STATE = {"in_step": False, "steps": 0, "live": 0, "peak": 0}
 COUNTS: collections.Counter = collections.Counter()  # (op, group ranks, caller) -> bytes, inside training steps
 CALLS: collections.Counter = collections.Counter()
 
@@ -134,15 +145,51 @@ DS_IN_STEP: collections.Counter = collections.Counter()
 DS_CALLS: collections.Counter = collections.Counter()
 
 
+class _Saved:
+    """A tensor autograd keeps for backward, counted in STATE["live"] (once per storage) until released."""
+
+    storages: dict[int, list[int]] = {}  # storage address -> [bytes, tensors saved from it]
+
+    def __init__(self, tensor):
+        self.tensor, storage = tensor, tensor.untyped_storage()
+        self.key = storage.data_ptr()
+        entry = self.storages.setdefault(self.key, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            STATE["live"] += entry[0]
+            STATE["peak"] = max(STATE["peak"], STATE["live"])
+        entry[1] += 1
+
+    def __del__(self):
+        entry = self.storages[self.key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            STATE["live"] -= entry[0]
+            del self.storages[self.key]
+
+
+def _saved_tensor_hooks(params: set[int]):
+    import torch
+
+    def pack(t):
+        return t if t.untyped_storage().data_ptr() in params else _Saved(t)
+
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _in_step(make_step):
-    def make(*args, **kwargs):
-        run = make_step(*args, **kwargs)
+    def make(engine, *args, **kwargs):
+        run = make_step(engine, *args, **kwargs)
+        params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
 
         def step(*a, **k):
             before = _ds_totals()
             STATE["in_step"] = True
             try:
-                return run(*a, **k)
+                with _saved_tensor_hooks(params):
+                    return run(*a, **k)
             finally:
                 STATE["in_step"] = False
                 STATE["steps"] += 1
@@ -165,6 +212,11 @@ def worker(spec_path: pathlib.Path) -> None:
     for op in OPS:
         if hasattr(dist, op):
             _wrap(dist, op)
+    import deepspeed.comm
+
+    from megagenome.parallel import tensor_parallel
+
+    tensor_parallel.dist = deepspeed.comm  # the same collectives, seen by DeepSpeed's comms logger (docstring)
     pretrain.forward_backward_step = _in_step(pretrain.forward_backward_step)
     pipeline.train_step = _in_step(pipeline.train_step)
     spec = json.loads(spec_path.read_text())
@@ -173,7 +225,7 @@ def worker(spec_path: pathlib.Path) -> None:
     for scenario in spec["scenarios"]:
         cfg = cli.root_config(parser.instantiate(parser.parse_object(scenario["config"])))
         COUNTS.clear(), CALLS.clear(), DS_IN_STEP.clear(), DS_CALLS.clear()
-        STATE["steps"] = 0
+        STATE.update(steps=0, peak=0)
         started, error = time.time(), None
         try:
             pretrain.run(cfg, [], keep_process_group=True)
@@ -185,6 +237,7 @@ def worker(spec_path: pathlib.Path) -> None:
             "wall_s": round(time.time() - started, 1),
             "error": error,
             "steps": STATE["steps"],
+            "peak_activation_bytes": STATE["peak"],
             "torch_dist": [
                 {"op": k[0], "group": k[1], "caller": k[2], "bytes": v, "calls": CALLS[k]} for k, v in COUNTS.items()
             ],
@@ -207,9 +260,32 @@ def refusal(config: dict) -> list[str]:
     return pipeline.problems(cli.root_config(parser.instantiate(parser.parse_object(config))))
 
 
-def summarise(work: pathlib.Path, name: str, tp: int, pp: int) -> dict:
+def dimension_of(world: int, tp: int, pp: int):
+    """Group ranks "0,1" -> the parallel dimension whose group it is: tp, pp, dp, model (tp x pp), world, or self."""
+    sys.path.insert(0, str(REPO))
+    from megagenome.parallel.state import group_ranks
+
+    kinds = group_ranks(world, tp, pp)
+    by_ranks = {}
+    for kind in ("model", "dp", "pp", "tp"):  # later kinds win where two coincide (e.g. tp = model when pp = 1)
+        for ranks in kinds[kind]:
+            if len(ranks) > 1:
+                by_ranks[",".join(map(str, ranks))] = kind
+    by_ranks[",".join(map(str, range(world)))] = by_ranks.get(",".join(map(str, range(world))), "world")
+
+    def name(group: str, op: str) -> str:
+        if op in ("send", "recv", "isend", "irecv"):  # between neighbouring stages, over the global group
+            return "pp"
+        return "self" if "," not in group else by_ranks.get(group, "?")
+
+    return name
+
+
+def summarise(work: pathlib.Path, world: int, name: str, tp: int, pp: int) -> dict:
     run = work / name
-    row: dict = {"cell": name, "tp": tp, "pp": pp, "dp": NPROC // (tp * pp), "grad_accum": 2 if pp > 1 else 1}
+    dp = world // (tp * pp)
+    accum = LAUNCHES[world][0] // (MICRO * dp)
+    row: dict = {"cell": name, "world": world, "tp": tp, "pp": pp, "dp": dp, "grad_accum": accum}
     ranks = [json.loads(p.read_text()) for p in sorted(run.glob("comms_rank*.json"))]
     errors = [r["error"] for r in ranks if r["error"]]
     if errors or not ranks:
@@ -217,19 +293,33 @@ def summarise(work: pathlib.Path, name: str, tp: int, pp: int) -> dict:
         return row
     memory = json.loads((run / "memory.json").read_text())
     row["param_bytes_per_rank"] = [r["params"] for r in memory["ranks"]]
+    row["activation_bytes_per_rank"] = [r["peak_activation_bytes"] for r in ranks]
     train = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in train if "split" not in r]
-    row["global_batch_sequences"] = 2 * row["grad_accum"] * row["dp"]
+    row["global_batch_sequences"] = MICRO * accum * dp
     tokens_per_step = row["global_batch_sequences"] * 512
     row["tokens_per_s"] = [r["tokens_per_s"] for r in train]
     row["step_s"] = tokens_per_step / statistics.median(row["tokens_per_s"][SKIP_STEPS:])
     row["steps_counted"] = [r["steps"] for r in ranks]
+    dimension = dimension_of(world, tp, pp)
     comms = []
     for r in ranks:
+        steps = max(r["steps"], 1)
         for c in r["torch_dist"]:
-            comms.append({"rank": r["rank"], **c, "bytes_per_step": c["bytes"] / max(r["steps"], 1)})
-            comms[-1]["calls_per_step"] = c["calls"] / max(r["steps"], 1)
+            comms.append(
+                {
+                    "rank": r["rank"],
+                    **c,
+                    "dimension": dimension(c["group"], c["op"]),
+                    "bytes_per_step": c["bytes"] / steps,
+                }
+            )
+            comms[-1]["calls_per_step"] = c["calls"] / steps
     row["torch_dist_per_step"] = sorted(comms, key=lambda c: (c["rank"], -c["bytes"]))
+    row["by_dimension"] = {}  # dimension -> MiB per step per rank (mean over ranks), from torch.distributed
+    for c in comms:
+        row["by_dimension"][c["dimension"]] = row["by_dimension"].get(c["dimension"], 0.0) + c["bytes_per_step"]
+    row["by_dimension"] = {k: v / len(ranks) for k, v in sorted(row["by_dimension"].items())}
     row["torch_dist_bytes_per_step_per_rank"] = [
         sum(c["bytes_per_step"] for c in comms if c["rank"] == r["rank"]) for r in ranks
     ]
@@ -252,62 +342,103 @@ def mib(values) -> str:
 def write_results(rows: list[dict], meta: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "parallel_sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    base = next((r for r in rows if r["cell"] == BASELINE and not r.get("error")), None)
+    base = {r["world"]: r for r in rows if r["tp"] == r["pp"] == 1 and not r.get("error")}
+    dims = sorted({d for r in rows for d in r.get("by_dimension") or {}})
     lines = [
-        "# Parallel sweep: tensor and pipeline parallelism on 2 CPU ranks",
+        "# Parallel sweep: tensor and pipeline parallelism on 2 and 4 CPU ranks",
         "",
         f"- date: {meta['date']}",
         f"- command: `{meta['command']}`",
         f"- hardware: {meta['hardware']}",
         f"- software: {meta['software']}",
         f"- setup: d_model 256, 4 layers, 4 heads, seq_len 512, fp32, ZeRO-0 (ds_configs/zero0.json + comms_logger), "
-        f"micro batch 2 (grad accum 2 under pp=2), phiX174, {meta['steps']} steps, 2 ranks (gloo); "
-        f"launch wall time {meta['wall_s']:.0f} s, exit code {meta['rc']}",
+        f"micro batch {MICRO}, global batch 4 sequences on 2 ranks and 8 on 4 ranks (gradient accumulation makes up "
+        f"the rest), phiX174, {meta['steps']} steps, gloo; launches: "
+        + ", ".join(f"{w} ranks {v['wall_s']:.0f} s (exit code {v['rc']})" for w, v in meta["launches"].items()),
         "",
-        "Parameter bytes per rank: memory.json ranks[i].params (rank 0/rank 1). Step time: global tokens per step / "
-        f"median metrics.jsonl tokens_per_s over steps {SKIP_STEPS + 1}-{meta['steps']}; ratio to tp1_pp1 (note the "
-        "global batch column: tp2 has 1 data-parallel rank, so half the sequences per step). Communication: bytes "
-        "per training step per rank (rank 0/rank 1), counted on torch.distributed's collectives (largest buffer of "
-        "each call: the whole tensor for all-reduce, broadcast, send and recv) and by DeepSpeed's comms logger "
-        "(deepspeed.comm only: it does not see megagenome's tensor-parallel collectives, which call "
-        "torch.distributed directly).",
+        "Per-rank figures are listed rank 0/rank 1/... Parameter bytes: memory.json ranks[i].params. Activation "
+        "bytes: peak bytes autograd holds for backward during a training step (distinct storages, parameters "
+        f"excluded). Step time: global tokens per step / median metrics.jsonl tokens_per_s over steps "
+        f"{SKIP_STEPS + 1}-{meta['steps']}; ratio to the tp1_pp1 cell of the same launch (same global batch). "
+        "Communication: bytes per training step per rank, from DeepSpeed's comms logger (it sees megagenome's "
+        "tensor-parallel collectives because the worker routes them through deepspeed.comm) and from a count on "
+        "torch.distributed's collectives (largest buffer of each call). They agree except for all-gathers, where "
+        "the logger counts the input slice and the count the gathered output. The 4-rank launch runs 2 ranks per "
+        "core.",
         "",
-        "| cell | tp | pp | dp | global batch (seq) | param MiB/rank | step s | ratio vs tp1_pp1 "
-        "| comm MiB/step/rank (torch.distributed) | comm MiB/step/rank (comms logger) | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | ranks | tp | pp | dp | accum | param MiB/rank | activation MiB/rank | step s | ratio vs tp1_pp1 "
+        "| comm MiB/step/rank (comms logger) | comm MiB/step/rank (torch.distributed) | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['cell']} | {r['tp']} | {r['pp']} | | | | | | | | {r['error']} |")
+            lines.append(f"| {r['cell']} | {r['world']} | {r['tp']} | {r['pp']} | | | | | | | | | {r['error']} |")
             continue
-        ratio = r["step_s"] / base["step_s"] if base else None
+        b = base.get(r["world"])
+        ratio = f"{r['step_s'] / b['step_s']:.2f}" if b else ""
         lines.append(
-            f"| {r['cell']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['global_batch_sequences']} | "
-            f"{mib(r['param_bytes_per_rank'])} | {r['step_s']:.3f} | {f'{ratio:.2f}' if ratio else ''} | "
-            f"{mib(r['torch_dist_bytes_per_step_per_rank'])} | {mib(r['comms_logger_bytes_per_step_per_rank'])} | |"
+            f"| {r['cell']} | {r['world']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['grad_accum']} | "
+            f"{mib(r['param_bytes_per_rank'])} | {mib(r['activation_bytes_per_rank'])} | {r['step_s']:.3f} | {ratio} | "
+            f"{mib(r['comms_logger_bytes_per_step_per_rank'])} | {mib(r['torch_dist_bytes_per_step_per_rank'])} | |"
         )
-    lines += ["", "## Communication per training step by collective, group and caller (torch.distributed)", ""]
-    lines += ["| cell | rank | op | group ranks | caller | calls/step | MiB/step |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Communication per training step by parallel dimension (MiB per rank, mean over ranks)", ""]
+    lines += ["| cell | " + " | ".join(dims) + " |", "|---|" + "---|" * len(dims)]
     for r in rows:
-        for c in r.get("torch_dist_per_step") or []:
-            lines.append(
-                f"| {r['cell']} | {c['rank']} | {c['op']} | {c['group']} | {c['caller']} | "
-                f"{c['calls_per_step']:.1f} | {c['bytes_per_step'] / 2**20:.3f} |"
-            )
-    lines += ["", "## DeepSpeed comms logger per training step", ""]
-    lines += ["| cell | rank | op | calls/step | MiB/step |", "|---|---|---|---|---|"]
+        if r.get("by_dimension"):
+            cells = [f"{r['by_dimension'].get(d, 0.0) / 2**20:.3f}" for d in dims]
+            lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Dimensions: tp, pp, dp are the groups of ParallelState (send/recv between stages count as pp, though "
+        "DeepSpeed issues them on the global group); model is tp x pp (DeepSpeed's gradient-norm group under "
+        "pipelining); world is every rank; self is a group of one rank (DeepSpeed still calls all_reduce on a "
+        "data-parallel group of one: no bytes move).",
+        "",
+        "## DeepSpeed comms logger per training step",
+        "",
+        "| cell | rank | op | calls/step | MiB/step |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         for v in r.get("comms_logger_per_step") or []:
             lines.append(f"| {r['cell']} | {v['rank']} | {v['op']} | {v['calls']:.1f} | {v['bytes'] / 2**20:.3f} |")
+    lines += ["", "## torch.distributed collectives per training step by dimension, group and caller", ""]
+    lines += ["| cell | rank | dimension | op | group ranks | caller | calls/step | MiB/step |"]
+    lines += ["|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for c in r.get("torch_dist_per_step") or []:
+            lines.append(
+                f"| {r['cell']} | {c['rank']} | {c['dimension']} | {c['op']} | {c['group']} | {c['caller']} | "
+                f"{c['calls_per_step']:.1f} | {c['bytes_per_step'] / 2**20:.3f} |"
+            )
     lines += ["", "Notes:", ""]
     lines += [
-        "- A group of one rank (e.g. the data-parallel group under tp=2 or pp=2) moves no bytes between ranks; "
-        "DeepSpeed still calls all_reduce on it for the gradient bucket, so it is counted, with its group shown.",
-        "- send/recv calls per step are not whole numbers: the counts are totals over all steps / steps.",
-        "- tp=2 runs half the global batch of tp1_pp1 (1 data-parallel rank x micro 2), so its step-time ratio is "
-        "per step, not per token; pp=2 runs the same 4 sequences per step (micro 2 x accumulation 2).",
+        "- Activations: tensor parallelism without sequence parallelism splits only what lies inside the attention "
+        "and MLP (heads, d_ff); the block inputs, norms and residual stream stay replicated on every tensor rank, "
+        "so tp=2 keeps well over half the dense run's bytes. Under pp=2 the first stage holds more than the last: "
+        "DeepSpeed's 1F1B schedule keeps up to (stages - stage index) micro batches in flight per stage.",
+        "- send/recv calls per step need not be whole numbers: the counts are totals over all steps / steps.",
+        "- pipeline stages send activations (and receive gradients) once per micro batch; under tp x pp DeepSpeed "
+        "sends each tensor rank a 1/tp slice and all-gathers it over the tensor group on arrival.",
     ]
     (RESULTS / "parallel_sweep.md").write_text("\n".join(lines) + "\n")
+
+
+def launch(work: pathlib.Path, world: int, steps: int) -> dict:
+    """One deepspeed launch of `world` ranks running that launch's cells; returns its wall time and exit code."""
+    scenarios = [
+        {"name": name, "config": cell_config(work, name, world, tp, pp, steps)} for name, tp, pp in LAUNCHES[world][1]
+    ]
+    spec = work / f"spec_w{world}.json"
+    spec.write_text(json.dumps({"scenarios": scenarios}))
+    bin_dir = pathlib.Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(world), __file__, "--worker", str(spec)]
+    started = time.time()
+    with open(work / f"worker_w{world}.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+    return {"wall_s": time.time() - started, "rc": rc}
 
 
 def main() -> None:
@@ -322,41 +453,18 @@ def main() -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="mg-parallel-sweep-"))
     shutil.copy(FASTA, work / FASTA.name)
     (work / "comms_logger.json").write_text(json.dumps(COMMS_FRAGMENT))
-    refused, scenarios = {}, []
-    for name, tp, pp in CELLS:
-        config = cell_config(work, name, tp, pp, args.steps)
-        problems = refusal(config)
-        if problems:
-            refused[name] = "refused by validation: " + "; ".join(problems)
-        else:
-            scenarios.append({"name": name, "config": config})
-    (work / "spec.json").write_text(json.dumps({"scenarios": scenarios}))
-    bin_dir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(NPROC), __file__, "--worker", str(work / "spec.json")]
-    started = time.time()
-    with open(work / "worker.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
-    wall = time.time() - started
-    rows = []
-    for name, tp, pp in CELLS:
-        if name in refused:
-            rows.append({"cell": name, "tp": tp, "pp": pp, "error": refused[name]})
-        else:
-            rows.append(summarise(work, name, tp, pp))
-
+    launches = {world: launch(work, world, args.steps) for world in LAUNCHES}
+    rows = [summarise(work, world, *cell) for world, (_, cells) in LAUNCHES.items() for cell in cells]
     meta = {
         "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "hardware": hardware(),
         "software": software(),
         "steps": args.steps,
-        "wall_s": wall,
-        "rc": rc,
+        "launches": launches,
     }
     write_results(rows, meta)
-    print(f"wrote {RESULTS}/parallel_sweep.{{md,json}} in {wall:.0f} s (rc {rc}, work dir {work})")
+    print(f"wrote {RESULTS}/parallel_sweep.{{md,json}} (launches {launches}, work dir {work})")
 
 
 if __name__ == "__main__":

@@ -300,9 +300,9 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     # exist, between backward and the optimizer step, when the step's gradients are complete.
     measure_at = min(start_step + 1, plan.stop_at - 1)
     memory_path = os.path.join(run_dir, "memory.json")
-    rank_params = model.num_parameters() if par.tensor > 1 else n_params  # what one rank holds under TP
-    if par.pipeline > 1:  # this rank's stage (a tied embedding is held by the first and the last stage)
-        rank_params = sum(p.numel() for p in model.parameters())
+    # What one rank holds: its tensor-parallel shard and/or pipeline stage (a tied embedding is held by the first
+    # and the last stage), else the whole model.
+    rank_params = sum(p.numel() for p in model.parameters()) if par.tensor * par.pipeline > 1 else n_params
     probe = memory_probe(engine, memory_path, measure_at, rank, rank_params, prep.dp_size, ds_config)
     if par.pipeline > 1:  # DeepSpeed's pipeline schedule runs the micro batches: engine.train_batch
         train_step = pipeline.train_step(engine, train_batch, to_device, accum, on_gradients=probe)

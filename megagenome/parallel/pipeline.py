@@ -3,25 +3,34 @@
 DeepSpeed's pipeline engine runs a flat list of layers, each stage owning a contiguous slice of it:
 
     index        layer                  spec
-    0            token embedding        TiedLayerSpec("embed") with --model.tie_embeddings, else LayerSpec
-    1 .. n       Block                  LayerSpec
-    n + 1        final RMSNorm          LayerSpec
-    n + 2        LM head                TiedLayerSpec("embed", forward_fn=tied_head), else LayerSpec(LMHead)
+    0            token embedding        TiedLayerSpec("embed") with --model.tie_embeddings, else the module
+    1 .. n       Block                  the module
+    n + 1        final RMSNorm          the module
+    n + 2        LM head                TiedLayerSpec("embed", forward_fn=tied_head), else the module
 
-Tied embeddings live on the first and the last stage; DeepSpeed all-reduces the two copies' gradients, so
-both hold the dense model's gradient (embedding part + head part) and stay equal. Between stages travels one
-(B, T, d_model) activation. A micro batch is (input_ids, (labels, loss_weight)): DeepSpeed feeds the first
-part to the first stage and hands the second to `loss_fn` on the last stage, so the loss weights travel with
-the labels. `loss_fn` is DNATransformer.forward's weighted cross-entropy, line for line.
+Every rank builds the dense DNATransformer with the run's seed (as pp=1 does), converts it to its tensor-parallel
+shard when --parallel.tensor > 1 (parallel/tensor_parallel.py), and hands DeepSpeed its modules: the stage keeps
+the ones it owns, so a pp=2 run starts from, and can be compared with, pp=1 (and tp x pp with tp). Tied
+embeddings are rebuilt by DeepSpeed on the first and the last stage and loaded with the model's weights (this
+rank's vocabulary shard under tensor parallelism); DeepSpeed all-reduces the two copies' gradients, so both hold
+the dense model's gradient (embedding part + head part) and stay equal.
 
-Initial weights are the dense model's: every rank builds DNATransformer with the run's seed (as pp=1 does)
-and copies the layers its stage owns (`build`), so a pp=2 run starts from, and can be compared with, pp=1.
+With tensor parallelism the grid is DeepSpeed's pipe x data x model topology, rank = (stage * dp + dp_rank) * tp
++ tp_rank: ParallelState's layout with sp = 1. Between stages travels one (B, T, d_model) activation, replicated
+over the tensor-parallel ranks; DeepSpeed sends each tensor rank a 1/tp slice and all-gathers it on arrival
+(its pipe_partitioned / grad_partitioned defaults). The head produces this rank's vocabulary block of the
+logits and `loss_fn` takes the vocabulary-parallel cross entropy: full logits never exist on one rank.
+
+A micro batch is (input_ids, (labels, loss_weight)): DeepSpeed feeds the first part to the first stage and hands
+the second to `loss_fn` on the last stage, so the loss weights travel with the labels. `loss_fn` is
+DNATransformer.forward's weighted cross-entropy, line for line.
 
 The loop drives this engine through `train_step` (one engine.train_batch per optimizer step, its micro
 batches pulled through DeepSpeed's schedule) and `eval_sums` (engine.eval_batch), chosen once in
-pretrain.py. Checkpoints are DeepSpeed's pipeline layout: one layer_XX-model_states.pt per layer (tied copies
-after the first are not written) plus one mp_rank_XX_model_states.pt of optimizer state per stage;
-`dense_state_dict` reassembles the layer files into DNATransformer's state dict.
+pretrain.py. Checkpoints are DeepSpeed's pipeline layout: one layer_XX[-model_YY]-model_states.pt per layer
+(and tensor rank; tied copies after the first are not written) plus one mp_rank_XX_model_states.pt of
+optimizer state per stage and tensor rank; `dense_state_dict` reassembles the layer files into
+DNATransformer's state dict.
 """
 
 from __future__ import annotations
@@ -37,37 +46,37 @@ from torch import nn
 
 from megagenome.config import ModelConfig, ParallelConfig, RootConfig
 from megagenome.model import DNATransformer
-from megagenome.model.layers import Block, RMSNorm
+from megagenome.parallel import tensor_parallel
 
 PARTITION_METHODS = ("parameters", "uniform")  # or "type:<layer class regex>"
 TIED_KEY = "embed"
 
 
-class LMHead(nn.Linear):
-    """Untied output head: logits over the padded vocabulary, sliced to the real one (as DNATransformer.logits)."""
-
-    def __init__(self, d_model: int, padded_vocab_size: int, vocab_size: int):
-        super().__init__(d_model, padded_vocab_size, bias=False)
-        self.vocab_size = vocab_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)[..., : self.vocab_size]  # (B, T, vocab_size)
-
-
-def tied_head(embedding: nn.Embedding, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Output head that shares the token embedding matrix (DeepSpeed calls forward_fn(module, input))."""
-    return F.linear(x, embedding.weight)[..., :vocab_size]  # (B, T, vocab_size)
+def tied_head(embedding: nn.Module, x: torch.Tensor, group=None) -> torch.Tensor:
+    """Output head that shares the token embedding matrix (DeepSpeed calls forward_fn(module, input)): logits
+    over the padded vocabulary (B, T, V), or over this rank's vocabulary block (B, T, V/tp) when group is the
+    tensor-parallel group (x is replicated there; its gradient is all-reduced in backward, as a column-parallel
+    linear does)."""
+    if group is not None:
+        x = tensor_parallel.copy_to_tensor_parallel_region(x, group)
+    return F.linear(x, embedding.weight)
 
 
-def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """DNATransformer.forward's weighted cross-entropy on the last stage; labels = (labels, loss_weight).
+def dense_token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-token cross entropy (B*T,) of padded logits (B, T, V_padded), the padding columns sliced off."""
+    return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, 1), targets.flatten(), reduction="none")
+
+
+def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor], token_loss: Callable) -> torch.Tensor:
+    """DNATransformer.forward's weighted cross-entropy on the last stage; labels = (labels, loss_weight);
+    token_loss(logits, targets) -> per-token nats (dense_token_loss, or the model's vocabulary-parallel one).
 
     Training (gradients enabled: DeepSpeed's train_batch requires them) returns the scalar loss
     nll_sum / max(weight_sum, 1) to backpropagate; evaluation (eval_batch runs under no_grad) returns
     [nll_sum, weight_sum], so bits per base are exact sums over batches and ranks, not a mean of means.
     """
     targets, loss_weight = labels
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # (B*T,)
+    ce = token_loss(logits, targets)  # (B*T,)
     weight = loss_weight.float().flatten()  # (B*T,)
     nll_sum = (ce * weight).sum()
     weight_sum = weight.sum()
@@ -76,33 +85,21 @@ def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> 
     return torch.stack([nll_sum, weight_sum])  # (2,)
 
 
-def layer_specs(model: DNATransformer) -> list:
-    """`model` as the pipeline's layer list (module docstring); DeepSpeed builds only this rank's stage's layers."""
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+def layer_specs(model: DNATransformer, tp_group=None) -> list:
+    """`model` (dense, or this rank's tensor-parallel shard with tp_group its group) as the pipeline's layer list
+    (module docstring); DeepSpeed keeps only this rank's stage's layers."""
+    from deepspeed.pipe import TiedLayerSpec
 
-    cfg, vocab_size, padded = model.cfg, model.vocab_size, model.padded_vocab_size
+    cfg, padded = model.cfg, model.padded_vocab_size
+    embed, head = model.embed, model.lm_head
     if cfg.tie_embeddings:
-        embed = TiedLayerSpec(TIED_KEY, nn.Embedding, padded, cfg.d_model)
-        head = TiedLayerSpec(
-            TIED_KEY, nn.Embedding, padded, cfg.d_model, forward_fn=functools.partial(tied_head, vocab_size=vocab_size)
-        )
-    else:
-        embed = LayerSpec(nn.Embedding, padded, cfg.d_model)
-        head = LayerSpec(LMHead, cfg.d_model, padded, vocab_size)
-    blocks = [LayerSpec(Block, cfg) for _ in range(cfg.n_layer)]
-    return [embed, *blocks, LayerSpec(RMSNorm, cfg.d_model, cfg.norm_eps), head]
-
-
-def dense_layer(model: DNATransformer, index: int) -> nn.Module:
-    """The module of the dense model that pipeline layer `index` is a copy of."""
-    n = model.cfg.n_layer
-    if index == 0:
-        return model.embed
-    if index <= n:
-        return model.blocks[index - 1]
-    if index == n + 1:
-        return model.norm
-    return model.embed if model.cfg.tie_embeddings else model.lm_head
+        if tp_group is None:
+            kind, args = nn.Embedding, (padded, cfg.d_model)
+        else:
+            kind, args = tensor_parallel.VocabParallelEmbedding, (padded, cfg.d_model, tp_group)
+        embed = TiedLayerSpec(TIED_KEY, kind, *args)
+        head = TiedLayerSpec(TIED_KEY, kind, *args, forward_fn=functools.partial(tied_head, group=tp_group))
+    return [embed, *model.blocks, model.norm, head]
 
 
 def problems(cfg: RootConfig) -> list[str]:
@@ -113,7 +110,9 @@ def problems(cfg: RootConfig) -> list[str]:
     method = par.pipeline_partition
     if method not in PARTITION_METHODS:
         # DeepSpeed matches type:NAME as a case-insensitive regex against the layers' class names.
-        classes = ["Embedding", "Block", "RMSNorm"] + ([] if m.tie_embeddings else ["LMHead"])
+        tp = par.tensor > 1
+        embedding, head = ("VocabParallelEmbedding", "ColumnParallelLinear") if tp else ("Embedding", "Linear")
+        classes = [embedding, "Block", "RMSNorm"] + ([] if m.tie_embeddings else [head])
         name = method[len("type:") :] if method.startswith("type:") else ""
         try:
             found = bool(name) and any(re.search(name, c, re.IGNORECASE) for c in classes)
@@ -144,31 +143,33 @@ def problems(cfg: RootConfig) -> list[str]:
             "itself): with --parallel.pipeline > 1 use --parallel.pipeline_checkpoint_interval N instead "
             "(recompute segments of N layers); --model.checkpointing selective still works"
         )
-    if par.tensor > 1:
-        out.append(
-            f"--parallel.tensor={par.tensor} with --parallel.pipeline={par.pipeline} is not supported yet: the "
-            "pipeline stages are built from dense blocks"
-        )
     return out
 
 
 def build(model: DNATransformer, par: ParallelConfig, state, checkpoint_fn: Callable | None = None):
-    """This rank's stage as a PipelineModule whose layers hold `model`'s weights (and its Blocks' selective
-    recompute function, so call model.set_checkpoint_function first).
+    """This rank's stage as a PipelineModule made of `model`'s layers: the dense model, or this rank's shard of it
+    after tensor_parallel.apply_tensor_parallel when state.tp > 1. Call model.set_checkpoint_function first (the
+    blocks keep their selective recompute function).
 
-    state: the run's ParallelState; the stage layout must be DeepSpeed's pipe x data topology of the same
-    ranks. checkpoint_fn: the configured DeepSpeed checkpoint function when the DeepSpeed JSON has an
+    state: the run's ParallelState; the stage layout must be DeepSpeed's pipe x data (x model) topology of the
+    same ranks. checkpoint_fn: the configured DeepSpeed checkpoint function when the DeepSpeed JSON has an
     activation_checkpointing block (engine.activation_checkpoint_function), else None.
     """
     from deepspeed import checkpointing
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
-    if state.tp != 1 or state.sp != 1:
-        raise ValueError("pipeline parallelism runs with --parallel.tensor 1 and --parallel.sequence 1")
-    # DeepSpeed's topology numbers ranks pipe-major, data fastest: rank = stage * dp + dp_rank, which is
-    # ParallelState's layout with tp = sp = 1, so both agree on every rank's data-parallel index.
-    topology = PipeDataParallelTopology(num_pp=state.pp, num_dp=state.dp)
+    if state.sp != 1:
+        raise ValueError("pipeline parallelism runs with --parallel.sequence 1")
+    # DeepSpeed's topologies number ranks pipe-major, then data, then model (tensor) fastest:
+    # rank = (stage * dp + dp_rank) * tp + tp_rank, which is ParallelState's layout with sp = 1, so both agree on
+    # every rank's data-parallel index and tensor rank. Without tensor parallelism the pipe x data topology keeps
+    # DeepSpeed's layer file names free of a model_00 suffix.
+    if state.tp == 1:
+        topology, tp_group = PipeDataParallelTopology(num_pp=state.pp, num_dp=state.dp), None
+    else:
+        topology = PipeModelDataParallelTopology(num_pp=state.pp, num_mp=state.tp, num_dp=state.dp)
+        tp_group = state.get_tensor_model_parallel_group()
     # Segments are recomputed with a non-reentrant checkpoint: a stage's first segment may start at the
     # token embedding, whose integer input cannot carry gradients through a reentrant checkpoint.
     if checkpoint_fn is None:
@@ -177,31 +178,32 @@ def build(model: DNATransformer, par: ParallelConfig, state, checkpoint_fn: Call
         segment_fn = checkpointing.non_reentrant_checkpoint
     else:
         segment_fn = checkpoint_fn
+    token_loss = model.token_loss or functools.partial(dense_token_loss, vocab_size=model.vocab_size)
     module = PipelineModule(
-        layers=layer_specs(model),
+        layers=layer_specs(model, tp_group),
         topology=topology,
-        loss_fn=loss_fn,
+        loss_fn=functools.partial(loss_fn, token_loss=token_loss),
         partition_method=par.pipeline_partition,
         activation_checkpoint_interval=par.pipeline_checkpoint_interval,
         activation_checkpoint_func=segment_fn,
     )
-    assert module.mpu().get_data_parallel_rank() == state.get_data_parallel_rank(), "pipeline topology mismatch"
-    parts = module.partitions()
-    children = dict(module.named_children())  # LayerSpec layers are registered under their global index
-    with torch.no_grad():
-        for index in range(parts[module.stage_id], parts[module.stage_id + 1]):
-            local, dense = children.get(str(index)), dense_layer(model, index)
-            if local is not None:
-                local.load_state_dict(dense.state_dict())
-            if isinstance(local, Block):  # --model.checkpointing selective, as set_checkpoint_function installed it
-                local.attn.recompute_core = dense.attn.recompute_core
-        if TIED_KEY in module.tied_modules:
+    grid = module.mpu()
+    assert grid.get_data_parallel_rank() == state.get_data_parallel_rank(), "pipeline topology mismatch"
+    assert grid.get_slice_parallel_rank() == state.get_tensor_model_parallel_rank(), "pipeline topology mismatch"
+    if TIED_KEY in module.tied_modules:
+        with torch.no_grad():
             module.tied_modules[TIED_KEY].load_state_dict(model.embed.state_dict())
-    # Gradient norms (clipping, logging): DeepSpeed's fp32 ZeRO-0 clipping counts a parameter if its rank is
-    # first in the model-parallel group (here: the pipeline) or the parameter is marked model-parallel. Mark
-    # every stage's parameters except the second copy of a tied weight, so each counts exactly once.
+    # Gradient norms (clipping, logging): DeepSpeed counts a parameter on the first rank of its model-parallel
+    # group (pipe x tensor) or wherever it is marked model-parallel, then sums over that group. Mark what each rank
+    # must count, so every gradient counts exactly once: this stage's parameters, except the second copy of a
+    # tied weight and, on tensor ranks other than 0, the replicated ones (norm scales).
+    first_tensor_rank = state.get_tensor_model_parallel_rank() == 0
     for p in module.parameters():
-        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+        sharded = getattr(p, "tensor_model_parallel", False)
+        replica = getattr(p, "ds_pipe_replicated", False)
+        p.model_parallel = not replica and (sharded or first_tensor_rank)
+        if replica:
+            p.tensor_model_parallel = False
     return module
 
 
@@ -225,14 +227,14 @@ def _own_grad_norm(engine) -> bool:
 
 
 def _grad_norm(engine) -> float:
-    """2-norm of the step's gradients over every stage (each tied weight counted once)."""
+    """2-norm of the step's gradients over every stage and tensor rank (each gradient counted once)."""
     import torch.distributed as dist
 
     squares = torch.zeros((), dtype=torch.float64, device=engine.device)
     for p in engine.module.parameters():
-        if p.grad is not None and not getattr(p, "ds_pipe_replicated", False):
+        if p.grad is not None and p.model_parallel:  # counted once over the stages and tensor ranks (build)
             squares += p.grad.detach().double().pow(2).sum()
-    dist.all_reduce(squares, group=engine.grid.get_pipe_parallel_group())
+    dist.all_reduce(squares, group=engine.grid.get_model_parallel_group())  # pipe x tensor
     return float(squares.sqrt())
 
 
@@ -309,21 +311,24 @@ def eval_sums(engine, batches: Iterable[dict], to_device: Callable[[dict], dict]
     return nll, weight
 
 
-_LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
+_LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
 
 def dense_state_dict(checkpoint_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """DNATransformer's state dict from a pipeline checkpoint directory (a step_XXXXXXXX tag): the layer files
-    renamed (layer 1 + i -> blocks.i.*); with tied embeddings lm_head.weight is embed.weight, as in the model."""
+    renamed (layer 1 + i -> blocks.i.*), tensor-parallel shards (layer_XX-model_YY files) concatenated along their
+    partition dimension; with tied embeddings lm_head.weight is embed.weight, as in the model."""
     n = cfg.n_layer
     prefix = {0: "embed.", n + 1: "norm.", n + 2: "lm_head."} | {1 + i: f"blocks.{i}." for i in range(n)}
-    out: dict[str, torch.Tensor] = {}
+    shards: dict[int, dict[str, torch.Tensor]] = {}  # tensor rank -> its renamed tensors
     for name in sorted(os.listdir(checkpoint_dir)):
         m = _LAYER_FILE.match(name)
         if not m:
             continue
         state = torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=True)
-        out.update({prefix[int(m.group(1))] + k: v for k, v in state.items()})
+        shard = shards.setdefault(int(m.group(2) or 0), {})
+        shard.update({prefix[int(m.group(1))] + k: v for k, v in state.items()})
+    out = tensor_parallel.merge_shards([shards[r] for r in sorted(shards)])
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["embed.weight"]
     return out
