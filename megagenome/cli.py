@@ -1,5 +1,8 @@
-"""Command line (layer L5): `megagenome pretrain --config configs/tiny.yaml [--section.field value ...]` and
-`megagenome convert-checkpoint --checkpoint <run dir or step_X> [--output DIR]`.
+"""Command line (layer L5): `megagenome pretrain --config configs/tiny.yaml [--section.field value ...]`,
+`megagenome convert-checkpoint --checkpoint <run dir or step_X> [--output DIR]`,
+`megagenome preflight --config C [--sizes 4KiB,64MiB]` (under the launcher, like pretrain),
+`megagenome hostfile [--nodelist LIST] [--slots N] [--output PATH]` / `megagenome hostfile --check PATH` and
+`megagenome deepspeed-env [--export "VAR ..."] [--output PATH]`.
 
 jsonargparse builds the flags from the config dataclasses; the docstring under each field is its
 help text. Precedence: command line > YAML given with --config > dataclass defaults. Unknown keys,
@@ -58,12 +61,85 @@ def convert_parser() -> ArgumentParser:
     return parser
 
 
+def hostfile_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="megagenome hostfile",
+        description="Write a DeepSpeed hostfile ('host slots=N' per line) from a Slurm node list, or check one with "
+        "--check (every problem is reported with its line; exit status 2 when there is any).",
+    )
+    parser.add_argument(
+        "--nodelist",
+        type=str | None,
+        default=None,
+        help="Slurm node list, e.g. 'node[01-04],gpu7' (default: $SLURM_JOB_NODELIST, then $SLURM_NODELIST).",
+    )
+    parser.add_argument(
+        "--slots",
+        type=int | None,
+        default=None,
+        help="Processes (GPUs) per host; overrides the environment (default: $SLURM_GPUS_ON_NODE, then "
+        "$SLURM_GPUS_PER_NODE).",
+    )
+    parser.add_argument("--output", type=str, default="-", help="File to write, or - for standard output.")
+    parser.add_argument("--check", type=str | None, default=None, help="Validate this hostfile instead of writing one.")
+    return parser
+
+
+def deepspeed_env_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="megagenome deepspeed-env",
+        description="Write the environment every rank needs into DeepSpeed's .deepspeed_env, which its multi-node "
+        "launchers (pdsh by default) export on every node: PYTHONPATH, TORCH_EXTENSIONS_DIR, OMP_NUM_THREADS, "
+        "NCCL_*, GLOO_* and the names in --export. Names that look like secrets are refused.",
+    )
+    parser.add_argument(
+        "--export",
+        type=str | None,
+        default=None,
+        help="More variable names to copy, separated by spaces or commas (default: $MEGAGENOME_EXPORT).",
+    )
+    parser.add_argument(
+        "--output",
+        type=str | None,
+        default=None,
+        help="File to write, or - for standard output (default: $DS_ENV_FILE, else .deepspeed_env in the working "
+        "directory, where DeepSpeed looks).",
+    )
+    return parser
+
+
+def preflight_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="megagenome preflight",
+        description="Check a launch before training: run it under the same launcher with the same config and flags "
+        "as `megagenome pretrain`. Every rank must resolve the same config, code version and data checksum and see "
+        "the run directory as one shared writable filesystem; all-reduces are timed and reported as bus bandwidth. "
+        "Prints one table; exit status 1 on any mismatch.",
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML run config, as given to `pretrain`.")
+    parser.add_argument(
+        "--sizes",
+        type=str,
+        default="4KiB,1MiB,16MiB,64MiB",
+        help="All-reduce message sizes to time, comma-separated (B, KiB, MiB, GiB, KB, MB, GB).",
+    )
+    parser.add_argument("--iters", type=int, default=5, help="Timed all-reduces per size (after 2 warm-up ones).")
+    parser.add_argument("--json_out", type=str | None, default=None, help="Also write the report as JSON (rank 0).")
+    parser.add_class_arguments(RootConfig, nested_key=None, fail_untyped=True)
+    return parser
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="megagenome", description="Pretrain genomic (DNA) language models on DeepSpeed.")
     sub = parser.add_subcommands(dest="command")
     sub.add_subcommand("pretrain", pretrain_parser(), help="Pretrain a DNA language model.")
     sub.add_subcommand(
         "convert-checkpoint", convert_parser(), help="Convert a checkpoint to resume it under another layout."
+    )
+    sub.add_subcommand("preflight", preflight_parser(), help="Check every rank's config, code, data and links.")
+    sub.add_subcommand("hostfile", hostfile_parser(), help="Write or check a DeepSpeed hostfile.")
+    sub.add_subcommand(
+        "deepspeed-env", deepspeed_env_parser(), help="Write .deepspeed_env for DeepSpeed's multi-node launchers."
     )
     return parser
 
@@ -114,12 +190,33 @@ def main(argv: list[str] | None = None) -> int:
         except TrainingStopped as e:
             if os.environ.get("RANK", "0") == "0":
                 print(f"megagenome pretrain: stopped: {e}", file=sys.stderr)
-            return 3
+            return e.exit_code  # 3, or PREEMPTED_EXIT (75) after the checkpoint signal (train/loop.py)
         return 0
+    if ns.command == "preflight":
+        return run_preflight(ns.preflight, root_config(parser.instantiate(ns).preflight))
     if ns.command == "convert-checkpoint":
         return convert_checkpoint(ns["convert-checkpoint"])
+    if ns.command == "hostfile":
+        return hostfile(ns.hostfile)
+    if ns.command == "deepspeed-env":
+        return deepspeed_env(ns["deepspeed-env"])
     parser.print_help()
     return 2
+
+
+def run_preflight(ns, cfg: RootConfig) -> int:
+    from megagenome import preflight
+
+    prog = "megagenome preflight"
+    try:
+        sizes = preflight.parse_sizes(ns.sizes)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if ns.iters < 1:
+        print(f"{prog}: error: --iters={ns.iters}: must be positive", file=sys.stderr)
+        return 2
+    return preflight.run(cfg, sizes, iters=ns.iters, json_out=ns.json_out)
 
 
 def convert_checkpoint(ns) -> int:
@@ -135,6 +232,98 @@ def convert_checkpoint(ns) -> int:
         return 2
     print(f"megagenome: universal checkpoint written to {out}")
     print(f"resume with: --checkpoint.resume {os.path.dirname(out)} --checkpoint.universal true")
+    return 0
+
+
+def _write_output(output: str, text: str) -> None:
+    if output == "-":
+        sys.stdout.write(text)
+    else:
+        from megagenome.record import atomic_write
+
+        atomic_write(output, text)
+
+
+def hostfile(ns) -> int:
+    from megagenome.cluster import hostfile as hf
+
+    prog = "megagenome hostfile"
+    if ns.check is not None:
+        given = [f for f, v in [("--nodelist", ns.nodelist), ("--slots", ns.slots)] if v is not None]
+        given += ["--output"] if ns.output != "-" else []
+        if given:
+            print(f"{prog}: error: --check validates a hostfile; it takes no {', '.join(given)}", file=sys.stderr)
+            return 2
+        try:
+            hosts = hf.parse_hostfile(ns.check)
+        except hf.HostfileError as e:
+            for problem in e.problems:
+                print(f"{prog}: error: {problem}", file=sys.stderr)
+            return 2
+        print(f"{ns.check}: ok: {len(hosts)} host(s), {sum(hosts.values())} slot(s)")
+        return 0
+    nodelist, source = ns.nodelist, "--nodelist"
+    for var in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if nodelist is None and os.environ.get(var):
+            nodelist, source = os.environ[var], var
+    if nodelist is None:
+        print(
+            f"{prog}: error: no node list: give --nodelist (e.g. 'node[01-04]') or run inside a Slurm allocation "
+            "($SLURM_JOB_NODELIST / $SLURM_NODELIST)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        hosts = hf.expand_nodelist(nodelist)
+        slots = hf.slots_from_env(os.environ, len(hosts), ns.slots)
+        comment = f"DeepSpeed hostfile written by `megagenome hostfile` from {source}={nodelist}"
+        text = hf.write_hostfile(hosts, slots, comment=comment)
+    except hf.HostfileError as e:
+        for problem in e.problems:
+            print(f"{prog}: error: {source}={nodelist!r}: {problem}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        where = f"{source}={nodelist!r}: " if isinstance(e, hf.NodelistError) else ""
+        print(f"{prog}: error: {where}{e}", file=sys.stderr)
+        return 2
+    try:
+        _write_output(ns.output, text)
+    except OSError as e:
+        print(f"{prog}: error: --output={ns.output}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    if ns.output != "-":
+        print(f"megagenome: wrote {ns.output}: {len(hosts)} host(s), {sum(slots)} slot(s)", file=sys.stderr)
+    return 0
+
+
+def deepspeed_env(ns) -> int:
+    from megagenome.cluster import deepspeed_env as dsenv
+
+    prog = "megagenome deepspeed-env"
+    source = "--export" if ns.export is not None else dsenv.EXPORT_VAR
+    try:
+        variables, notes = dsenv.collect(os.environ, ns.export, source)
+    except dsenv.ExportError as e:
+        for problem in e.problems:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
+    output = ns.output or dsenv.env_file_path(os.environ)
+    home_file = os.path.join(os.path.expanduser("~"), dsenv.env_file_path(os.environ))
+    if output != "-" and os.path.isfile(home_file) and os.path.abspath(output) != os.path.abspath(home_file):
+        notes.append(f"DeepSpeed also reads {home_file}, first: for a name set in both, {output} wins")
+    for note in notes:
+        print(f"{prog}: note: {note}", file=sys.stderr)
+    try:
+        if output == "-":
+            sys.stdout.write(dsenv.render(variables))
+        else:
+            dsenv.write(output, variables)
+    except OSError as e:
+        print(f"{prog}: error: --output={output}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    if output != "-":
+        names = " ".join(variables) or "(nothing)"
+        print(f"megagenome: wrote {output} for DeepSpeed's multi-node launcher: {names}", file=sys.stderr)
     return 0
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import signal
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -145,6 +146,10 @@ class TrainConfig:
     """Seed of weight initialisation and dropout."""
     num_threads: int | None = None
     """Torch CPU threads per rank; default: CPU cores divided by ranks on this node."""
+    hang_timeout_s: float = 1800.0
+    """Hang watchdog: a rank that completes no training step for this many seconds (evaluation and checkpoint saving
+    between steps included) dumps every thread's Python stack to stderr and <run dir>/hang_rank<R>.txt and exits with
+    code 86. The clock starts at the first step. 0 disables it."""
 
 
 @dataclass
@@ -182,6 +187,10 @@ class CheckpointConfig:
     """Load --checkpoint.resume as a universal checkpoint (written by `megagenome convert-checkpoint`), which may
     resume under another data-parallel size or tensor/sequence-parallel degree (ZeRO stage 1-3, no pipeline
     stages); sets DeepSpeed's checkpoint.load_universal."""
+    signal: str | None = "SIGUSR1"
+    """Signal that stops training cleanly for a requeue (e.g. Slurm's `--signal=B:USR1@300`): every rank finishes
+    the current step, a checkpoint of it is saved and the run exits with code 75; the next run resumes from it.
+    A name (SIGUSR1, USR2, SIGTERM, ...) or none."""
 
 
 @dataclass
@@ -350,6 +359,12 @@ def validate(cfg: RootConfig, dp_size: int) -> list[str]:
         problems.append("--train.eval_interval and --checkpoint.interval must be non-negative (0: only at the end)")
     if t.stop_at is not None and not 0 < t.stop_at <= t.max_steps:
         problems.append(f"--train.stop_at={t.stop_at}: must be within [1, --train.max_steps={t.max_steps}]")
+    try:
+        signal_number(c.signal)
+    except ValueError as e:
+        problems.append(f"--checkpoint.signal={c.signal}: {e}")
+    if t.hang_timeout_s < 0:
+        problems.append(f"--train.hang_timeout_s={t.hang_timeout_s:g}: must be >= 0 (0 disables the watchdog)")
     if t.num_threads is not None and t.num_threads <= 0:
         problems.append(f"--train.num_threads={t.num_threads}: must be positive")
     micro, accum, global_batch = batch_sizes(t, dp_size)
@@ -364,6 +379,18 @@ def validate(cfg: RootConfig, dp_size: int) -> list[str]:
             f"--train.grad_accum_steps={accum} x data-parallel size {dp_size} = {global_batch}"
         )
     return problems
+
+
+def signal_number(name: str | None) -> int | None:
+    """The number of the signal named `name` (SIGUSR1, usr1, ...), None for none. ValueError if not catchable."""
+    if name is None or name.strip().lower() in ("", "none"):
+        return None
+    key = name.strip().upper()
+    key = key if key.startswith("SIG") else "SIG" + key
+    uncatchable = {"SIGKILL", "SIGSTOP"}
+    if key in uncatchable or key not in signal.Signals.__members__:
+        raise ValueError("not a signal a process can catch: give a name such as SIGUSR1, SIGUSR2 or SIGTERM, or none")
+    return int(signal.Signals[key])
 
 
 def to_dict(cfg) -> dict:

@@ -44,7 +44,8 @@ from megagenome.parallel.state import ParallelState, layout_problems
 from megagenome.record import env_record, write_json, write_yaml
 from megagenome.train import checkpoint
 from megagenome.train import engine as ds
-from megagenome.train.loop import LoopPlan, evaluate, fit, forward_backward_step, forward_sums
+from megagenome.train.loop import LoopPlan, TrainingStopped, evaluate, fit, forward_backward_step, forward_sums
+from megagenome.train.watchdog import Watchdog
 
 _FLAG = re.compile(r"--([a-z_]+\.[a-z_]+)")
 
@@ -295,6 +296,7 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
         world_size=world_size,
         rank=rank,
         loss_shards=par.sequence // sp_loss_factor,  # scaled chunk losses already average to the whole loss
+        stop_signal=cfg.checkpoint.signal,
     )
     # memory.json: at the second step of this invocation (the only one if it has one), once optimizer states
     # exist, between backward and the optimizer step, when the step's gradients are complete.
@@ -308,18 +310,29 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
         train_step = pipeline.train_step(engine, train_batch, to_device, accum, on_gradients=probe)
     else:  # engine(**batch), backward, step per micro batch
         train_step = forward_backward_step(engine, train_batch, to_device, accum, on_gradients=probe)
-    result = fit(
-        engine,
-        plan,
-        train_batch,
-        run_eval,
-        save,
-        writer,
-        ds.all_reduce_sum,
-        to_device,
-        progress=cfg.log.progress,
-        train_step=train_step,
-    )
+    watchdog = Watchdog(cfg.train.hang_timeout_s, rank, run_dir).start()  # exits the process on a hang
+    try:
+        result = fit(
+            engine,
+            plan,
+            train_batch,
+            run_eval,
+            save,
+            writer,
+            ds.all_reduce_sum,
+            to_device,
+            progress=cfg.log.progress,
+            train_step=watchdog.wrap(train_step),
+        )
+    except TrainingStopped:  # every rank stopped after the same step, its checkpoint saved: tear down as at the end
+        data.close()
+        if keep_process_group:
+            ds.barrier()
+        else:
+            ds.shutdown()
+        raise
+    finally:
+        watchdog.stop()
     summary = {}
     if rank == 0:
         summary = _summarise(cfg, data, metrics_path, result, n_params, time.time() - started)

@@ -35,3 +35,27 @@ def ecoli_fasta(tmp_path_factory) -> str:
 
 
 # ----- end of data layer block ----------------------------------------------------------------------------
+
+
+# ----- Slurm cluster (tests/test_slurm.py; the harness is tests/slurm_cluster.py) -------------------------------
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-node Slurm cluster (munged, slurmctld, slurmd on loopback, all in a temp dir) for the session,
+    stopped by PID at the end. Skips, with the reason, where Slurm or munge is not installed or slurmd cannot run
+    (it must be root to start jobs); a cluster that is installed but does not come up is an error."""
+    import os
+
+    from slurm_cluster import SlurmCluster, missing_binaries
+
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"Slurm/munge not installed (no {', '.join(missing)}); Debian: apt-get install slurm-wlm munge")
+    if os.geteuid() != 0:
+        pytest.skip("the test Slurm cluster runs slurmd, which must be root to start jobs")
+    with SlurmCluster.start() as cluster:
+        yield cluster
+
+
+# ----- end of Slurm cluster block ------------------------------------------------------------------------------

@@ -93,6 +93,26 @@ def tiny_config(tmp: pathlib.Path, fasta: str, run_dir: pathlib.Path, **override
     return cfg
 
 
+SIGNAL_STEPS = 60  # ~50 ms each on 2 CPU ranks: a signal sent after step 2 lands well before the end
+
+
+def signal_run_config(tmp: pathlib.Path, fasta: str) -> str:
+    """A YAML run config (written into tmp) for the checkpoint-signal tests: the tiny config made a little slower
+    per step and longer (SIGNAL_STEPS), checkpointing only at the end (and on the signal); run dir tmp/run."""
+    cfg = tiny_config(
+        tmp,
+        fasta,
+        tmp / "run",
+        train__max_steps=SIGNAL_STEPS,
+        train__eval_interval=0,
+        train__micro_batch_size=8,
+        checkpoint__interval=0,
+    )
+    cfg["model"].update(d_model=64, n_layer=4)
+    cfg["data"]["seq_len"] = 128
+    return write_yaml(tmp / "run.yaml", cfg)
+
+
 @contextlib.contextmanager
 def world_of_one():
     """A real gloo process group of one rank in this process (DeepSpeed's checkpointing and PipelineModule need

@@ -13,15 +13,13 @@ from megagenome.metrics import MetricsWriter, read_metrics
 from megagenome.train.loop import LoopPlan, TrainingStopped, fit
 
 
-class FakeFp16Engine:
-    """Engine interface of a DeepSpeed fp16 engine whose loss scaler overflows on chosen steps."""
+class StandInEngine:
+    """The interface of a DeepSpeed engine that fit() uses, on a 2x2 linear layer, fp32; subclasses change step()."""
 
-    def __init__(self, overflow_steps=(), collapse_at=None):
+    def __init__(self):
         self.device = torch.device("cpu")
         self.module = torch.nn.Linear(2, 2)
-        self.overflow_steps, self.collapse_at = set(overflow_steps), collapse_at
-        self.optimizer = type("Opt", (), {"cur_scale": 1024.0})()
-        self.skipped_steps, self.applied, self.calls = 0, 0, 0
+        self.calls = 0
 
     def __call__(self, **batch):
         loss = (self.module.weight**2).sum()
@@ -32,13 +30,7 @@ class FakeFp16Engine:
 
     def step(self):
         self.calls += 1
-        if self.calls == self.collapse_at:
-            raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
-        if self.calls in self.overflow_steps:  # DeepSpeed skips the update and halves the scale
-            self.skipped_steps += 1
-            self.optimizer.cur_scale /= 2
-        else:
-            self.applied += 1
+        self.module.zero_grad()
 
     def train(self):
         pass
@@ -47,7 +39,7 @@ class FakeFp16Engine:
         pass
 
     def fp16_enabled(self):
-        return True
+        return False
 
     def bfloat16_enabled(self):
         return False
@@ -62,7 +54,30 @@ class FakeFp16Engine:
         return None
 
 
-def plan(max_steps=5):
+class FakeFp16Engine(StandInEngine):
+    """Engine interface of a DeepSpeed fp16 engine whose loss scaler overflows on chosen steps."""
+
+    def __init__(self, overflow_steps=(), collapse_at=None):
+        super().__init__()
+        self.overflow_steps, self.collapse_at = set(overflow_steps), collapse_at
+        self.optimizer = type("Opt", (), {"cur_scale": 1024.0})()
+        self.skipped_steps, self.applied = 0, 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == self.collapse_at:
+            raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
+        if self.calls in self.overflow_steps:  # DeepSpeed skips the update and halves the scale
+            self.skipped_steps += 1
+            self.optimizer.cur_scale /= 2
+        else:
+            self.applied += 1
+
+    def fp16_enabled(self):
+        return True
+
+
+def plan(max_steps=5, log_interval=1, stop_signal=None):
     return LoopPlan(
         start_step=0,
         max_steps=max_steps,
@@ -70,13 +85,14 @@ def plan(max_steps=5):
         grad_accum=1,
         global_batch=1,
         seq_len=4,
-        log_interval=1,
+        log_interval=log_interval,
         eval_interval=0,
         ckpt_interval=0,
         flops_per_token=1.0,
         peak_tflops=None,
         world_size=1,
         rank=0,
+        stop_signal=stop_signal,
     )
 
 

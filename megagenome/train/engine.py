@@ -788,6 +788,30 @@ def barrier() -> None:
     dist.barrier()
 
 
+def time_all_reduce(nbytes: int, iters: int, warmup: int = 2) -> float:
+    """Median seconds of one all-reduce (sum) of an fp32 tensor of `nbytes` over every rank, on this rank's device
+    (NCCL on GPUs, gloo on CPU); every rank must call it with the same arguments."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    t = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device())
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        get_accelerator().synchronize()
+        started = time.perf_counter()
+        dist.all_reduce(t)
+        get_accelerator().synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    # The slowest rank's time is the collective's time.
+    return max(all_gather_object(statistics.median(times)))
+
+
 def shutdown() -> None:
     """Tear the process group down deterministically, so no rank aborts at interpreter exit."""
     import torch.distributed as dist

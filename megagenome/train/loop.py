@@ -4,17 +4,25 @@ It talks to the DeepSpeed engine only through `engine(**batch)`, `backward`, `st
 pipeline engine, the step and eval functions pretrain.py passes in: parallel/pipeline.py) and the checkpoint
 module, and gets batches, collectives and checkpoint saving as plain callables, so the
 same loop serves any data source and any parallel layout.
+
+Stopping for a requeue: while fit() runs, the checkpoint signal (LoopPlan.stop_signal, SIGUSR1 by default) only
+sets a flag. After every step the flag is summed over all ranks, since a scheduler may signal some ranks and not
+others (or at different moments); once any rank has it, every rank stops after that same step, a checkpoint of
+it is saved, and Preempted is raised: the command line exits with PREEMPTED_EXIT and the job script requeues.
 """
 
 from __future__ import annotations
 
 import resource
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
+from megagenome.config import signal_number
 from megagenome.metrics import MetricsWriter, bits_per_base
 from megagenome.parallel import tensor_parallel
 
@@ -39,6 +47,8 @@ class LoopPlan:
     # Ranks whose losses add up to one sample's loss: the sequence-parallel degree (each holds a chunk of every
     # sequence and its loss is that chunk's share, parallel/sequence.py). Other ranks hold replicas of a loss.
     loss_shards: int = 1
+    # Name of the signal that stops the run with a checkpoint for a requeue (--checkpoint.signal); None: not watched.
+    stop_signal: str | None = None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -130,6 +140,9 @@ def fit(
     (parallel/pipeline.py train_step), which takes train_batch and on_gradients itself. on_gradients(step),
     when given, runs at every step between the last backward and the optimizer step, when the gradients of
     the step are complete (pretrain.py measures model-state memory there).
+
+    With plan.stop_signal set, that signal on any rank ends the run after the current step: the step is logged, a
+    checkpoint of it saved, and Preempted raised (unless the step was the invocation's last, which ends as usual).
     """
     from tqdm.auto import tqdm
 
@@ -150,51 +163,114 @@ def fit(
     # Throughput counts only time spent in training steps, not evaluation or checkpoint saving.
     window_loss, window_steps, window_time = 0.0, 0, 0.0
     engine.train()
-    for step in range(plan.start_step, plan.stop_at):
-        started = time.perf_counter()
-        step_loss, own_norm = _step_or_stop(train_step, engine, step, save_checkpoint)
-        window_loss += step_loss
-        window_time += time.perf_counter() - started
-        window_steps += 1
-        done = step + 1
-        last = done == plan.stop_at
-        if done % plan.log_interval == 0 or last:
-            mean_loss = reduce_sum([window_loss])[0] * plan.loss_shards / (window_steps * plan.world_size)
-            tokens_per_s = tokens_per_step * window_steps / max(window_time, 1e-9)
-            tflops = plan.flops_per_token * tokens_per_s / plan.world_size / 1e12
-            grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
-            last_train = {
-                "step": done,
-                "tokens": done * tokens_per_step,
-                "loss": mean_loss,
-                "lr": float(engine.get_lr()[0]),
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens_per_s": tokens_per_s,
-                "tokens_per_s_per_gpu": tokens_per_s / plan.world_size,
-                "tflops_per_gpu": tflops,
-                "mfu": None if plan.peak_tflops is None else tflops / plan.peak_tflops,
-                "mem_peak_bytes": peak_memory_bytes(device),
-                "loss_scale": _loss_scale(engine),
-                "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
-            }
-            writer.write(last_train)
-            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            window_loss, window_steps, window_time = 0.0, 0, 0.0
-        bar.update(1)
-        eval_due = (plan.eval_interval and done % plan.eval_interval == 0) or done == plan.max_steps
-        if eval_due:
-            last_eval = {"step": done, "split": "val", **run_eval()}
-            writer.write(last_eval)
-            if plan.rank == 0:
-                bar.write(f"step {done}: held-out {last_eval['bits_per_base']:.4f} bits/base")
-        if (plan.ckpt_interval and done % plan.ckpt_interval == 0) or last:
-            save_checkpoint(done)
-    bar.close()
+    stop = StopRequest(plan.stop_signal)
+    try:
+        for step in range(plan.start_step, plan.stop_at):
+            started = time.perf_counter()
+            step_loss, own_norm = _step_or_stop(train_step, engine, step, save_checkpoint)
+            window_loss += step_loss
+            window_time += time.perf_counter() - started
+            window_steps += 1
+            done = step + 1
+            last = done == plan.stop_at
+            # At the last step there is nothing left to stop: the run ends as usual (exit code 0).
+            preempted = stop.agreed(reduce_sum) and not last
+            if done % plan.log_interval == 0 or last or preempted:
+                mean_loss = reduce_sum([window_loss])[0] * plan.loss_shards / (window_steps * plan.world_size)
+                tokens_per_s = tokens_per_step * window_steps / max(window_time, 1e-9)
+                tflops = plan.flops_per_token * tokens_per_s / plan.world_size / 1e12
+                grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+                last_train = {
+                    "step": done,
+                    "tokens": done * tokens_per_step,
+                    "loss": mean_loss,
+                    "lr": float(engine.get_lr()[0]),
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "tokens_per_s": tokens_per_s,
+                    "tokens_per_s_per_gpu": tokens_per_s / plan.world_size,
+                    "tflops_per_gpu": tflops,
+                    "mfu": None if plan.peak_tflops is None else tflops / plan.peak_tflops,
+                    "mem_peak_bytes": peak_memory_bytes(device),
+                    "loss_scale": _loss_scale(engine),
+                    "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+                }
+                writer.write(last_train)
+                bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                window_loss, window_steps, window_time = 0.0, 0, 0.0
+            bar.update(1)
+            eval_due = (plan.eval_interval and done % plan.eval_interval == 0) or done == plan.max_steps
+            if eval_due:
+                last_eval = {"step": done, "split": "val", **run_eval()}
+                writer.write(last_eval)
+                if plan.rank == 0:
+                    bar.write(f"step {done}: held-out {last_eval['bits_per_base']:.4f} bits/base")
+            if (plan.ckpt_interval and done % plan.ckpt_interval == 0) or last or preempted:
+                save_checkpoint(done)
+            if preempted:
+                raise Preempted(
+                    f"{stop.name} received: checkpoint of step {done} (of {plan.max_steps}) saved; exiting with "
+                    f"{PREEMPTED_EXIT} so the job can be requeued; the next run resumes there "
+                    "(--checkpoint.resume auto)",
+                    step=done,
+                )
+    finally:
+        stop.close()
+        bar.close()
     return {"train": last_train, "eval": last_eval}
+
+
+PREEMPTED_EXIT = 75
+"""Exit code of a run stopped by the checkpoint signal with its checkpoint saved: EX_TEMPFAIL of sysexits.h
+("temporary failure, try again"). Distinct from 0 (done), 1 (error), 2 (configuration), 3 (TrainingStopped), 86
+(hang watchdog), 124 (timeout(1)) and 128+N (killed by signal N), so job scripts requeue on it and nothing else."""
 
 
 class TrainingStopped(RuntimeError):
     """Training cannot go on (e.g. fp16 overflow at the minimum loss scale); a checkpoint was saved first."""
+
+    exit_code = 3
+
+
+class Preempted(TrainingStopped):
+    """The checkpoint signal stopped the run after `step`, whose checkpoint every rank has saved; resuming continues
+    exactly where it stopped."""
+
+    exit_code = PREEMPTED_EXIT
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class StopRequest:
+    """Watches for the checkpoint signal from construction until close(); agreed() tells whether any rank got it.
+
+    The handler only sets a flag (no I/O, no collectives: it may run between any two bytecodes); the loop acts on
+    it at the step boundary. Signal handlers can only be installed from the main thread: elsewhere the flag stays
+    down on this rank, which still takes part in agreed() so that the ranks' collectives line up."""
+
+    def __init__(self, name: str | None):
+        self.signum = signal_number(name)
+        self.name = signal.Signals(self.signum).name if self.signum is not None else None
+        self.received = False
+        self._previous = None
+        self._installed = self.signum is not None and threading.current_thread() is threading.main_thread()
+        if self._installed:
+            self._previous = signal.signal(self.signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self, reduce_sum: Callable[[list[float]], list[float]]) -> bool:
+        """Whether any rank has received the signal: one all-reduce of a flag per call, made by every rank."""
+        if self.signum is None:
+            return False
+        return reduce_sum([1.0 if self.received else 0.0])[0] > 0
+
+    def close(self) -> None:
+        if self._installed:
+            signal.signal(self.signum, self._previous)
+            self._installed = False
 
 
 def _step_or_stop(train_step: StepFn, engine, step: int, save_checkpoint: Callable[[int], None]):

@@ -1,0 +1,86 @@
+"""Hang watchdog (layer L2, stdlib only): a rank that completes no training step within --train.hang_timeout_s
+dumps every thread's Python stack and exits non-zero.
+
+A distributed hang (one rank stuck in I/O or dead, the others blocked in a collective that never completes)
+otherwise burns the whole allocation silently. Every rank runs its own watchdog thread; when a rank hangs,
+the others hang in the next collective, so every rank's watchdog fires and each leaves its stacks: on stderr
+(the launcher's per-rank log) and in <run dir>/hang_rank<R>.txt. The process then exits with HANG_EXIT
+through os._exit, since a thread blocked in a collective cannot be unwound; the last complete checkpoint is
+untouched (checkpoints are written under a temporary name and marked complete only when whole).
+
+The clock starts when the first step begins, so start-up (data indexing, engine build) does not count; it
+restarts at every completed step. Evaluation and checkpoint saving between steps count, so the timeout must
+exceed the longest of those plus one step.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+HANG_EXIT = 86  # distinct from 1 (error), 2 (bad config), 3 (fp16 overflow stop) and 75 (stopped for a requeue)
+
+
+class Watchdog:
+    """watchdog.wrap(step_fn) beats on every completed step; the thread exits the process on a timeout."""
+
+    def __init__(self, timeout_s: float, rank: int, dump_dir: str, exit: Callable[[int], None] = os._exit):
+        self.timeout_s, self.rank, self.dump_dir, self._exit = timeout_s, rank, dump_dir, exit
+        self._last: float | None = None  # monotonic time of the last beat; None: not started
+        self._step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="megagenome-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        if self.timeout_s > 0:
+            self._thread.start()
+        return self
+
+    def beat(self, step: int) -> None:
+        self._last, self._step = time.monotonic(), step
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def wrap(self, step_fn: Callable[[int], tuple]) -> Callable[[int], tuple]:
+        """step_fn(step) with the clock started before the first call and restarted after each one returns."""
+
+        def step(index: int):
+            if self._last is None:
+                self.beat(index)
+            out = step_fn(index)
+            self.beat(index + 1)
+            return out
+
+        return step
+
+    def _watch(self) -> None:
+        poll = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(poll):
+            if self._last is not None and time.monotonic() - self._last > self.timeout_s:
+                self._fire()
+                return
+
+    def _fire(self) -> None:
+        waited = time.monotonic() - (self._last or 0.0)
+        header = (
+            f"megagenome: rank {self.rank}: no training step completed for {waited:.0f} s (--train.hang_timeout_s="
+            f"{self.timeout_s:g}; last completed step {self._step}); Python stacks of every thread follow, then exit "
+            f"{HANG_EXIT}\n"
+        )
+        sys.stderr.write(header)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        try:
+            os.makedirs(self.dump_dir, exist_ok=True)
+            with open(os.path.join(self.dump_dir, f"hang_rank{self.rank}.txt"), "w") as fh:
+                fh.write(header)
+                fh.flush()
+                faulthandler.dump_traceback(file=fh, all_threads=True)
+        except OSError as e:
+            sys.stderr.write(f"megagenome: could not write the stack dump to {self.dump_dir}: {e}\n")
+        self._exit(HANG_EXIT)
