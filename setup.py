@@ -23,6 +23,7 @@ setup(
         "jsonargparse[signatures]==4.53.0",
         "PyYAML==6.0.4",
         "tqdm==4.70.1",
+        "pysam==0.24.1",  # VCF reading (htslib): individual genomes from a reference + VCF, data/variants.py
     ],
     extras_require={
         # flash-attn compiles against the local CUDA toolkit; install it on GPU machines only.

@@ -1,5 +1,6 @@
 """Command line (layer L5): `megagenome pretrain --config configs/tiny.yaml [--section.field value ...]`,
 `megagenome convert-checkpoint --checkpoint <run dir or step_X> [--output DIR]`,
+`megagenome prepare --manifest M --out D [--workers N]`,
 `megagenome preflight --config C [--sizes 4KiB,64MiB]` (under the launcher, like pretrain),
 `megagenome hostfile [--nodelist LIST] [--slots N] [--output PATH]` / `megagenome hostfile --check PATH` and
 `megagenome deepspeed-env [--export "VAR ..."] [--output PATH]`.
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
+from argparse import ArgumentError
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
-from megagenome.config import ConfigError, RootConfig
+from megagenome.config import ConfigError, ManifestConfig, RootConfig
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -108,6 +111,71 @@ def deepspeed_env_parser() -> ArgumentParser:
     return parser
 
 
+def prepare_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="megagenome prepare",
+        description="Turn the genomes of a data manifest into memory-mapped token shards with an index, for "
+        "`megagenome pretrain --data.prepared OUT`. Deterministic; reruns skip finished shards.",
+    )
+    parser.add_argument("--manifest", type=str, required=True, help="Data manifest (YAML): sources, max_n_run.")
+    parser.add_argument("--out", type=str, required=True, help="Output directory (created; reruns resume in it).")
+    parser.add_argument("--workers", type=int, default=1, help="Processes, one source at a time each.")
+    parser.add_argument("--progress", type=bool, default=True, help="Show a progress bar.")
+    return parser
+
+
+def manifest_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="manifest", exit_on_error=False)
+    parser.add_class_arguments(ManifestConfig, nested_key=None, fail_untyped=True)
+    return parser
+
+
+_QUOTED_KEY = re.compile(r"""(?:Option '|Parser key ")([A-Za-z_][A-Za-z0-9_]*)['"]""")
+
+
+def load_manifest(path: str) -> ManifestConfig:
+    """The manifest at `path`, type-checked and strict (unknown keys are errors); ValueError naming file and line."""
+    parser = manifest_parser()
+    try:
+        ns = parser.parse_path(path)
+    except (ArgumentError, OSError, ValueError) as e:
+        message = " ".join(str(e).split())
+        keys = _QUOTED_KEY.findall(str(e))
+        line = _line_of_key(path, keys[-1]) if keys else None
+        raise ValueError(f"{path}{f':{line}' if line else ''}: {message}") from e
+    return ManifestConfig(**vars(parser.instantiate_classes(ns)))
+
+
+def _line_of_key(path: str, key: str) -> int | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, text in enumerate(fh, 1):
+                if re.match(rf"^\s*(?:-\s*)?{re.escape(key)}\s*:", text):
+                    return number
+    except OSError:
+        pass
+    return None
+
+
+def run_prepare(ns) -> int:
+    from megagenome import prepare
+
+    prog = "megagenome prepare"
+    if ns.workers < 1:
+        print(f"{prog}: error: --workers={ns.workers}: must be positive", file=sys.stderr)
+        return 2
+    try:
+        manifest = prepare.resolve(load_manifest(ns.manifest), os.path.dirname(os.path.abspath(ns.manifest)))
+        index = prepare.run(manifest, ns.manifest, ns.out, workers=ns.workers, progress=ns.progress)
+    except (ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    bases = sum(c["length"] for u in index["units"] for c in u["contigs"])
+    print(f"megagenome: {len(index['units'])} unit(s), {bases:,} bases prepared in {ns.out}")
+    print(f"train with: --data.prepared {ns.out}")
+    return 0
+
+
 def preflight_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="megagenome preflight",
@@ -136,6 +204,7 @@ def build_parser() -> ArgumentParser:
     sub.add_subcommand(
         "convert-checkpoint", convert_parser(), help="Convert a checkpoint to resume it under another layout."
     )
+    sub.add_subcommand("prepare", prepare_parser(), help="Genomes of a manifest -> memory-mapped token shards.")
     sub.add_subcommand("preflight", preflight_parser(), help="Check every rank's config, code, data and links.")
     sub.add_subcommand("hostfile", hostfile_parser(), help="Write or check a DeepSpeed hostfile.")
     sub.add_subcommand(
@@ -192,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"megagenome pretrain: stopped: {e}", file=sys.stderr)
             return e.exit_code  # 3, or PREEMPTED_EXIT (75) after the checkpoint signal (train/loop.py)
         return 0
+    if ns.command == "prepare":
+        return run_prepare(ns.prepare)
     if ns.command == "preflight":
         return run_preflight(ns.preflight, root_config(parser.instantiate(ns).preflight))
     if ns.command == "convert-checkpoint":

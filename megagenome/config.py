@@ -63,7 +63,19 @@ class DataConfig:
     """Genome, held-out split, windows and augmentation."""
 
     fasta: str = ""
-    """FASTA file (plain or BGZF-compressed) to train on."""
+    """FASTA file (plain or BGZF-compressed) to train on (or --data.prepared)."""
+    prepared: str = ""
+    """Directory written by `megagenome prepare` to train on instead of --data.fasta: memory-mapped token shards of
+    every source of its manifest, blended by weight; their held-out split, intervals and N-run cut were fixed by the
+    manifest at prepare time."""
+    blend_period: int | None = None
+    """With --data.prepared: samples per period of the weighted interleave of units (each unit gets round(weight share
+    x period) slots, at least one); finer periods follow the weights more closely. Default: 1000, or the number of
+    units when there are more."""
+    group_aware: bool = False
+    """With --data.prepared: give each data-parallel rank whole groups (the manifest's individuals or species),
+    balanced by token count, so no group is trained on by two ranks; split.json records each rank's groups. The
+    assignment depends on the data-parallel size: such a run resumes at the same size only."""
     seq_len: int = 512
     """Tokens per training window (one base per token)."""
     val_contigs: list[str] = field(default_factory=list)
@@ -88,6 +100,92 @@ class DataConfig:
     """Held-out windows scored at every evaluation, spread evenly over the held-out split."""
     seed: int = 1234
     """Seed of window sampling, reverse complement and masking."""
+
+
+@dataclass
+class SourceConfig:
+    """One genome of a data manifest (`megagenome prepare`): a reference FASTA, optionally an individual's variants
+    (VCF) applied to it and gene intervals (BED) to train on. Paths are relative to the manifest's directory."""
+
+    name: str = ""
+    """Unique name of the source (letters, digits, '.', '_' or '-'); names its shards."""
+    fasta: str = ""
+    """Reference FASTA (plain, gzip or BGZF)."""
+    species: str = ""
+    """Species, recorded in the index."""
+    group: str = ""
+    """Group (individual, species) for group-aware sampling; default: the source's name."""
+    weight: float | None = None
+    """Sampling weight relative to the other sources; default: the source's number of training bases."""
+    val_contigs: list[str] = field(default_factory=list)
+    """Whole contigs held out for evaluation."""
+    val_ranges: list[str] = field(default_factory=list)
+    """Regions held out for evaluation, as contig:start-end (1-based, inclusive, reference coordinates)."""
+    test_contigs: list[str] = field(default_factory=list)
+    """Whole contigs held out as a test split."""
+    test_ranges: list[str] = field(default_factory=list)
+    """Regions held out as a test split, as contig:start-end (1-based, inclusive, reference coordinates)."""
+    bed: str | None = None
+    """BED file of intervals (e.g. genes) to restrict every split to, after adding --flank on both sides."""
+    flank: int = 0
+    """Bases added on both sides of each BED interval (then overlapping intervals are merged)."""
+    pack: bool = False
+    """Pack this source's intervals end to end, one separator token between neighbours, so intervals shorter than a
+    window still train (useful with a BED of short genes)."""
+    vcf: str | None = None
+    """VCF of one individual's variants against the FASTA: SNVs and indels are applied; phased diploid genotypes
+    give two haplotypes, each a shard of its own."""
+    sample: str | None = None
+    """VCF sample column to apply (default: the only one)."""
+    contig_map: dict[str, str] = field(default_factory=dict)
+    """VCF/BED contig name -> FASTA record name, where they differ (e.g. {MT: chrM})."""
+
+
+@dataclass
+class ManifestConfig:
+    """What `megagenome prepare` turns into token shards."""
+
+    sources: list[SourceConfig] = field(default_factory=list)
+    """The genomes, each a SourceConfig."""
+    max_n_run: int = 50
+    """Runs of N longer than this are cut out of every split (as --data.max_n_run for FASTA training)."""
+
+
+_SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def validate_manifest(m: ManifestConfig) -> list[str]:
+    """Problems of a manifest, each naming the source and key."""
+    problems = []
+    if not m.sources:
+        problems.append("sources: the manifest lists no source")
+    if m.max_n_run < 0:
+        problems.append(f"max_n_run={m.max_n_run}: must be >= 0")
+    seen: set[str] = set()
+    for i, src in enumerate(m.sources):
+        where = f"sources[{i}]" + (f" ({src.name})" if src.name else "")
+        if not _SOURCE_NAME.match(src.name):
+            problems.append(f"{where}.name={src.name!r}: give a name of letters, digits, '.', '_' or '-'")
+        elif src.name in seen:
+            problems.append(f"{where}.name: {src.name!r} is used by two sources")
+        seen.add(src.name)
+        if not src.fasta:
+            problems.append(f"{where}.fasta: required")
+        if src.weight is not None and not src.weight > 0:
+            problems.append(f"{where}.weight={src.weight}: must be positive")
+        if src.flank < 0:
+            problems.append(f"{where}.flank={src.flank}: must be >= 0")
+        if src.flank and not src.bed:
+            problems.append(f"{where}.flank={src.flank} needs a bed file of intervals to flank")
+        if src.sample is not None and not src.vcf:
+            problems.append(f"{where}.sample={src.sample!r} needs a vcf")
+        for key in ("val_ranges", "test_ranges"):
+            for text in getattr(src, key):
+                try:
+                    parse_region(text)
+                except ValueError as e:
+                    problems.append(f"{where}.{key}: {e}")
+    return problems
 
 
 @dataclass
@@ -333,15 +431,28 @@ def validate(cfg: RootConfig, dp_size: int) -> list[str]:
             problems.append(f"--{flag}={value}: must be non-negative")
     if d.max_n_run < 0:
         problems.append(f"--data.max_n_run={d.max_n_run}: must be non-negative")
-    if not d.fasta:
-        problems.append("--data.fasta is required: the FASTA file to train on")
+    if bool(d.fasta) == bool(d.prepared):
+        problems.append(
+            "give exactly one of --data.fasta (a FASTA file to train on) and --data.prepared (a directory written "
+            "by `megagenome prepare`)"
+        )
+    if d.blend_period is not None and d.blend_period < 1:
+        problems.append(f"--data.blend_period={d.blend_period}: must be positive")
+    if d.group_aware and not d.prepared:
+        problems.append("--data.group_aware needs --data.prepared: groups are defined by a prepare manifest")
     for flag, ranges in [("data.val_ranges", d.val_ranges), ("data.test_ranges", d.test_ranges)]:
         for r in ranges:
             try:
                 parse_region(r)
             except ValueError as e:
                 problems.append(f"--{flag}: {e}")
-    if not (d.val_contigs or d.val_ranges):
+    split_flags = [f for f in ("val_contigs", "val_ranges", "test_contigs", "test_ranges") if getattr(d, f)]
+    if d.prepared and split_flags:
+        problems.append(
+            f"--data.{split_flags[0]} does not apply with --data.prepared: the held-out split of prepared data is "
+            "set per source in the prepare manifest"
+        )
+    if d.fasta and not (d.val_contigs or d.val_ranges):
         problems.append("--data.val_contigs or --data.val_ranges must name the held-out data used for evaluation")
     if t.min_lr < 0 or t.min_lr > t.lr:
         problems.append(f"--train.min_lr={t.min_lr}: must be within [0, --train.lr={t.lr}]")

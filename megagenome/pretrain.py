@@ -31,7 +31,7 @@ from megagenome.config import (
     validate,
     yaml_line,
 )
-from megagenome.data.dataset import GenomeData, build_genome_data
+from megagenome.data.dataset import GenomeData, build_genome_data, build_prepared_data
 from megagenome.data.markov import markov_bits_per_base
 from megagenome.data.sampler import batch_indices
 from megagenome.data.tokenizer import VOCAB_SIZE
@@ -95,9 +95,13 @@ def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepar
         problems += ds.check_ds_config(ds_json, label, source, ds.on_gpu(), sources)
         problems += ds.check_run_against_ds(cfg, ds_json, label)
     data = None
-    if cfg.data.fasta and not any(p.startswith("--data.") for p in problems):
+    if not any(p.startswith("--data.") for p in problems):
         try:
-            data = build_genome_data(cfg.data, cfg.model.objective)
+            if cfg.data.prepared:
+                micro = batch_sizes(cfg.train, dp_size)[0]
+                data = build_prepared_data(cfg.data, cfg.model.objective, dp_size, micro)
+            else:
+                data = build_genome_data(cfg.data, cfg.model.objective)
         except (ValueError, OSError) as e:
             problems.append(str(e))
     zero = ds_json.get("zero_optimization")
@@ -118,6 +122,12 @@ def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepar
     if resume_from is not None and not bad_layout:
         global_batch = batch_sizes(cfg.train, dp_size)[2]
         problems += checkpoint.resume_problems(resume_from, layout, cfg.checkpoint.universal, global_batch)
+        saved_dp = (checkpoint.read_info(resume_from).get("layout") or {}).get("data_parallel", dp_size)
+        if cfg.data.group_aware and saved_dp != dp_size:
+            problems.append(
+                f"--data.group_aware: checkpoint {resume_from} was trained with {saved_dp} data-parallel ranks, this "
+                f"run has {dp_size}; groups are assigned to ranks by their number, so resume with {saved_dp}"
+            )
     elif cfg.checkpoint.universal and resume_from is None:
         problems.append(
             f"--checkpoint.universal true but --checkpoint.resume={cfg.checkpoint.resume} names no checkpoint to "
@@ -333,6 +343,11 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
         raise
     finally:
         watchdog.stop()
+    if cfg.data.prepared:  # which groups each data-parallel rank trained on (group_aware: never one group on two)
+        seen = ds.all_gather_object({"rank": rank, "data_parallel_rank": dp_rank, "groups": data.groups_trained()})
+        if rank == 0:
+            assigned = data.record["sampler"].get("groups_by_rank")
+            write_json(os.path.join(run_dir, "groups.json"), {"assigned_by_rank": assigned, "trained_by_rank": seen})
     summary = {}
     if rank == 0:
         summary = _summarise(cfg, data, metrics_path, result, n_params, time.time() - started)

@@ -55,8 +55,23 @@ def test_batch_arithmetic_is_one_identity():
 
 def test_missing_split_and_fasta_are_named():
     problems = validate(RootConfig(), dp_size=1)
-    assert any("--data.fasta is required" in p for p in problems)
-    assert any("--data.val_contigs or --data.val_ranges" in p for p in problems)
+    assert any("give exactly one of --data.fasta" in p and "--data.prepared" in p for p in problems)
+    cfg = RootConfig()
+    cfg.data.fasta = "genome.fa"
+    assert any("--data.val_contigs or --data.val_ranges" in p for p in validate(cfg, dp_size=1))
+
+
+def test_prepared_data_takes_no_split_flags_and_group_aware_needs_it():
+    cfg = valid_config()
+    cfg.data.prepared = "prepared/"
+    problems = validate(cfg, dp_size=1)
+    assert any("give exactly one of --data.fasta" in p for p in problems)  # both given
+    cfg.data.fasta = ""
+    assert any(p.startswith("--data.val_ranges does not apply with --data.prepared") for p in validate(cfg, 1))
+    cfg.data.val_ranges = []
+    assert not [p for p in validate(cfg, 1) if "--data." in p]
+    cfg.data.prepared, cfg.data.fasta, cfg.data.group_aware = "", "genome.fa", True
+    assert any(p.startswith("--data.group_aware needs --data.prepared") for p in validate(cfg, 1))
 
 
 def test_lr_scaling_rules():

@@ -41,7 +41,7 @@ def test_clm_batch(genome_copy):
         assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
         assert (batch["loss_weight"] == 1.0).all()  # phiX: no lowercase, no N
         for row, window in enumerate(d.train_sampler.windows(indices)):
-            expected = encode(d.genome.fetch(window.contig, window.start, window.end))[0]
+            expected = encode(d.store.genome.fetch(window.contig, window.start, window.end))[0]
             assert np.array_equal(full_window(batch, row), expected)
             assert window.start >= 1000
         json.dumps(d.split_record())
@@ -82,9 +82,9 @@ def test_softmask_weights_chr17(genome_copy):
         labels, weight = batch["labels"].numpy(), batch["loss_weight"].numpy()
         lower = np.zeros_like(weight, dtype=bool)
         for row, window in enumerate(d.train_sampler.windows(indices)):
-            soft = encode(d.genome.fetch(window.contig, window.start, window.end))[1]
+            soft = encode(d.store.genome.fetch(window.contig, window.start, window.end))[1]
             flipped = not np.array_equal(
-                full_window(batch, row), encode(d.genome.fetch(window.contig, window.start, window.end))[0]
+                full_window(batch, row), encode(d.store.genome.fetch(window.contig, window.start, window.end))[0]
             )
             lower[row] = (soft[::-1] if flipped else soft)[1:]  # the soft-mask follows the reverse complement
         assert 0.2 < lower.mean() < 0.7  # this excerpt is 43.5% lowercase
@@ -93,7 +93,7 @@ def test_softmask_weights_chr17(genome_copy):
         ev = d.eval_batch(d.eval_regions)
         assert ev["input_ids"].shape == (8, 256)
         for row, region in enumerate(d.eval_regions):
-            soft = encode(d.genome.fetch(region.contig, region.start, region.end))[1][1:]
+            soft = encode(d.store.genome.fetch(region.contig, region.start, region.end))[1][1:]
             assert np.array_equal(ev["loss_weight"][row].numpy() == 0.0, soft)
 
 
@@ -120,7 +120,7 @@ def test_mlm_masking_proportions(genome_copy):
         batch = d.train_batch(indices)
         inputs, labels, weight = (batch[k].numpy() for k in ("input_ids", "labels", "loss_weight"))
         originals = np.stack(
-            [encode(d.genome.fetch(w.contig, w.start, w.end))[0] for w in d.train_sampler.windows(indices)]
+            [encode(d.store.genome.fetch(w.contig, w.start, w.end))[0] for w in d.train_sampler.windows(indices)]
         )
         chosen = labels != PAD_ID
         rc = ~np.all(np.where(chosen, True, inputs == originals), axis=1)  # rows that were reverse-complemented

@@ -33,6 +33,7 @@ SEAMS = {
     "deepspeed": {"train/engine", "parallel/pipeline"},
     "flash_attn": {"model/attention"},
     "pyfaidx": {"data/fasta"},
+    "pysam": {"data/variants"},
 }
 
 

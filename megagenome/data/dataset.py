@@ -1,7 +1,11 @@
-"""GenomeData: one genome's split, samplers and batches for the clm and mlm objectives.
+"""GenomeData: the split, samplers and batches for the clm and mlm objectives, over one FASTA or prepared shards.
 
 `build_genome_data` opens the FASTA, finds the N-free stretches of every contig (one pass), builds the
 train/val/test split inside them, and sets up the training sampler and the fixed evaluation windows.
+`build_prepared_data` memory-maps the shards `megagenome prepare` wrote (their split was cut at prepare time) and
+samples across its units by weight (blend.BlendSampler), or gives each data-parallel rank whole groups
+(blend.GroupSampler). Both serve batches through the same code: a store's tokens(region) and the sampler's
+windows(indices).
 Batches are computed from global sample indices alone: the randomness of each sample (reverse complement,
 masking) is drawn from np.random.default_rng([seed, purpose, index]), so a sample is the same on any rank,
 in any process and after any resume.
@@ -9,8 +13,8 @@ in any process and after any resume.
 Batch dict (T = cfg.seq_len):
     input_ids    (B, T) int64    token ids fed to the model
     labels       (B, T) int64    target token per position (clm: the next base; mlm: the original base)
-    loss_weight  (B, T) float32  per-position loss weight: 0 for N targets and unselected mlm positions,
-                                 the soft-mask weight for lowercase targets, 1 otherwise
+    loss_weight  (B, T) float32  per-position loss weight: 0 for N (and packing SEP) targets and unselected mlm
+                                 positions, the soft-mask weight for lowercase targets, 1 otherwise
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import numpy as np
 import torch
 
 from megagenome.config import DataConfig, Region
+from megagenome.data import prepared
+from megagenome.data.blend import BlendSampler, GroupSampler, Unit
 from megagenome.data.fasta import Genome
 from megagenome.data.intervals import build_split, n_free_intervals, restrict, split_record, total_bases
 from megagenome.data.sampler import WindowSampler, eval_windows
-from megagenome.data.tokenizer import A_ID, MASK_ID, N_ID, PAD_ID, T_ID, encode, reverse_complement
+from megagenome.data.tokenizer import A_ID, MASK_ID, N_ID, PAD_ID, SEP_ID, T_ID, encode, reverse_complement
 
 OBJECTIVES = ("clm", "mlm")
 # Second word of every per-sample rng seed (see sampler.RNG_WINDOWS, which is 0).
@@ -33,30 +39,61 @@ RNG_RC, RNG_MASK, RNG_EVAL_MASK = 1, 2, 3
 MASK_FRACTION, RANDOM_FRACTION = 0.8, 0.1
 
 
-class GenomeData:
-    """Split, samplers and batch construction over one Genome; see the module docstring."""
+class FastaTokens:
+    """A Genome (pyfaidx) as the token store GenomeData reads from: tokens(region) -> (token ids, soft-mask)."""
 
-    def __init__(self, cfg: DataConfig, objective: str, genome: Genome, n_free: dict[str, np.ndarray]):
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r} (--model.objective)")
+    def __init__(self, genome: Genome):
+        self.genome, self.path, self.lengths = genome, genome.path, genome.lengths
+
+    def tokens(self, region: Region) -> tuple[np.ndarray, np.ndarray]:
+        return encode(self.genome.fetch(region.contig, region.start, region.end))
+
+    def close(self) -> None:
+        self.genome.close()
+
+
+def window_length(cfg: DataConfig, objective: str) -> int:
+    """Bases per sample: clm predicts base t+1 from bases <= t, so a window of T inputs needs T + 1 bases."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r} (--model.objective)")
+    return cfg.seq_len + 1 if objective == "clm" else cfg.seq_len
+
+
+class GenomeData:
+    """Split, samplers and batch construction over a token store; see the module docstring.
+
+    store: FastaTokens (one FASTA) or prepared.ShardStore (prepared shards); split: the N-free regions of each
+    split; declared_split: the split as declared, before N runs were cut; sampler: the training sampler (a
+    WindowSampler, or blend.BlendSampler / blend.GroupSampler over prepared units); record: more split.json facts.
+    """
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        objective: str,
+        store,
+        split: dict[str, list[Region]],
+        declared_split: dict[str, list[Region]],
+        sampler,
+        record: dict | None = None,
+    ):
         self.cfg = cfg
         self.objective = objective
-        self.genome = genome
-        self.n_free = n_free
-        # clm predicts base t+1 from bases <= t, so a window of T inputs needs T + 1 bases.
-        self.window_len = cfg.seq_len + 1 if objective == "clm" else cfg.seq_len
-        declared = build_split(genome.lengths, cfg.val_contigs, cfg.val_ranges, cfg.test_contigs, cfg.test_ranges)
-        self.declared_split = declared
-        self.split: dict[str, list[Region]] = {name: restrict(regions, n_free) for name, regions in declared.items()}
-        self.train_sampler = WindowSampler(self.split["train"], self.window_len, cfg.seed)
+        self.store = store
+        self.window_len = window_length(cfg, objective)
+        self.declared_split = declared_split
+        self.split = split
+        self.train_sampler = sampler
+        self.record = record or {}
         self.eval_regions = eval_windows(self.split["val"], self.window_len, cfg.eval_windows)
-        if declared["val"] and not self.eval_regions:
+        if declared_split["val"] and not self.eval_regions:
             raise ValueError(
-                f"the held-out split (--data.val_contigs/--data.val_ranges, {total_bases(self.split['val'])} N-free "
-                f"bases) has no stretch of {self.window_len} bases without a run of more than "
-                f"{cfg.max_n_run} N; hold out more or lower --data.seq_len"
+                f"the held-out split ({total_bases(self.split['val'])} N-free bases) has no stretch of "
+                f"{self.window_len} bases without a run of more than the allowed N run (--data.max_n_run, or the "
+                "manifest's max_n_run); hold out more or lower --data.seq_len"
             )
-        self._contig_index = {name: i for i, name in enumerate(genome.lengths)}
+        self._contig_index = {name: i for i, name in enumerate(store.lengths)}
+        self.trained_contigs: set[str] = set()  # contigs of every training window this process built
 
     # ----- records and raw tokens -------------------------------------------------------------------------
 
@@ -64,9 +101,9 @@ class GenomeData:
         """JSON-able split.json content: N-free regions per split, the declared split and sampling facts."""
         record = split_record(
             self.split,
-            fasta=self.genome.path,
-            contig_lengths=dict(self.genome.lengths),
-            max_n_run=self.cfg.max_n_run,
+            fasta=self.store.path,
+            contig_lengths=dict(self.store.lengths),
+            max_n_run=self.record.get("max_n_run", self.cfg.max_n_run),
             window_len=self.window_len,
             declared_bases={name: total_bases(regions) for name, regions in self.declared_split.items()},
         )
@@ -78,10 +115,11 @@ class GenomeData:
             "slack_bases_per_epoch": s.slack_bases,
         }
         record["eval_windows"] = len(self.eval_regions)
+        record.update({k: v for k, v in self.record.items() if k != "max_n_run"})
         return record
 
     def _tokens(self, region: Region) -> tuple[np.ndarray, np.ndarray]:
-        return encode(self.genome.fetch(region.contig, region.start, region.end))
+        return self.store.tokens(region)
 
     def train_tokens(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(tokens, soft-mask) of every N-free training region, e.g. to fit Markov baselines."""
@@ -100,6 +138,7 @@ class GenomeData:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         samples = []
         for index, region in zip(indices.tolist(), self.train_sampler.windows(indices)):
+            self.trained_contigs.add(region.contig)
             tokens, soft = self._tokens(region)
             if np.random.default_rng([self.cfg.seed, RNG_RC, index]).random() < self.cfg.rc_prob:
                 tokens, soft = reverse_complement(tokens), soft[::-1]
@@ -124,13 +163,18 @@ class GenomeData:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids, labels, loss_weight) of one window of `window_len` tokens."""
         weight = np.where(soft, np.float32(softmask_weight), np.float32(1.0)).astype(np.float32)  # (W,)
-        weight[tokens == N_ID] = 0.0  # an N target carries no information to learn
+        weight[(tokens == N_ID) | (tokens == SEP_ID)] = 0.0  # N (and packing separators) carry nothing to learn
         if self.objective == "clm":
             return tokens[:-1], tokens[1:], weight[1:]  # (T,) each: predict base t+1 from bases <= t
         return _mask(tokens, weight, self.cfg.mlm_probability, rng)
 
+    def groups_trained(self) -> list[str]:
+        """With prepared data: the groups of the units whose windows this process trained on, sorted."""
+        group_of = {u["unit"]: u["group"] for u in self.record.get("units", [])}
+        return sorted({group_of[c.split("/", 1)[0]] for c in self.trained_contigs if c.split("/", 1)[0] in group_of})
+
     def close(self) -> None:
-        self.genome.close()
+        self.store.close()
 
     def __enter__(self) -> GenomeData:
         return self
@@ -173,15 +217,57 @@ def _collate(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[s
 
 def build_genome_data(cfg: DataConfig, objective: str) -> GenomeData:
     """Open cfg.fasta, find N-free intervals (each contig read once), and build the split and samplers."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r} (--model.objective)")
+    window_len = window_length(cfg, objective)
     genome = Genome(cfg.fasta)
     try:
         n_free = {}
         for contig in genome.lengths:
             tokens, _ = encode(genome.read_contig(contig))
             n_free[contig] = n_free_intervals(tokens, cfg.max_n_run)
-        return GenomeData(cfg, objective, genome, n_free)
+        declared = build_split(genome.lengths, cfg.val_contigs, cfg.val_ranges, cfg.test_contigs, cfg.test_ranges)
+        split = {name: restrict(regions, n_free) for name, regions in declared.items()}
+        sampler = WindowSampler(split["train"], window_len, cfg.seed)
+        return GenomeData(cfg, objective, FastaTokens(genome), split, declared, sampler)
     except BaseException:
         genome.close()
+        raise
+
+
+def build_prepared_data(cfg: DataConfig, objective: str, dp_size: int = 1, micro_batch: int = 1) -> GenomeData:
+    """Memory-map the shards of cfg.prepared (written by `megagenome prepare`) and build the split and the blended
+    sampler over its units (group-aware over dp_size ranks with cfg.group_aware). A unit without training regions
+    (a source held out whole) only serves evaluation."""
+    index = prepared.read_index(cfg.prepared)
+    window_len = window_length(cfg, objective)
+    store = prepared.ShardStore(cfg.prepared, index)
+    try:
+        split: dict[str, list[Region]] = {name: [] for name in prepared.SPLITS}
+        units, record_units = [], []
+        for entry in index["units"]:
+            regions = prepared.unit_regions(entry)
+            if entry["pack"]:  # one virtual contig per split: the regions end to end, separated by SEP
+                for name in prepared.SPLITS:
+                    if regions[name]:
+                        regions[name] = [store.add_packed(prepared.packed_name(entry["name"], name), regions[name])]
+            for name in prepared.SPLITS:
+                split[name] += regions[name]
+            train_bases = prepared.total(regions["train"])
+            weight = entry["weight"] if entry["weight"] is not None else float(train_bases)
+            record_units.append(
+                {"unit": entry["name"], "group": entry["group"], "weight": weight, "train_bases": train_bases}
+            )
+            if train_bases:
+                units.append(Unit(entry["name"], entry["group"], weight, regions["train"]))
+        if not units:
+            raise ValueError(f"--data.prepared={cfg.prepared}: no unit has training regions (all held out?)")
+        period = cfg.blend_period or max(1000, len(units))
+        if cfg.group_aware:
+            sampler = GroupSampler(units, window_len, cfg.seed, dp_size, micro_batch, period)
+        else:
+            sampler = BlendSampler(units, window_len, cfg.seed, period)
+        record = {"prepared": cfg.prepared, "max_n_run": index["max_n_run"], "units": record_units}
+        record["sampler"] = sampler.record()  # blend shares per unit; with group_aware, the groups of every rank
+        return GenomeData(cfg, objective, store, split, split, sampler, record)
+    except BaseException:
+        store.close()
         raise

@@ -50,12 +50,14 @@ def build_split(
     val_ranges: Iterable[str] = (),
     test_contigs: Iterable[str] = (),
     test_ranges: Iterable[str] = (),
+    allow_no_train: bool = False,
 ) -> dict[str, list[Region]]:
     """{"train", "val", "test"} -> Regions; val/test are the named contigs and ranges, train is the rest.
 
     Raises SplitError listing every problem, each naming its flag: unknown contigs, ranges past a contig's
     end, held-out pieces that overlap (within or across val and test), a contig held out whole and also
-    named in a range, and a split that leaves nothing to train on.
+    named in a range, and a split that leaves nothing to train on (unless allow_no_train: a prepare manifest may
+    hold a whole source out, as long as another source trains).
     """
     problems: list[str] = []
     held: dict[str, list[Region]] = {"val": [], "test": []}
@@ -132,7 +134,7 @@ def build_split(
             cursor = max(cursor, end)
         if cursor < length:
             train.append(Region(name, cursor, int(length)))
-    if not train:
+    if not train and not allow_no_train:
         raise SplitError(
             "--data.val_contigs/--data.val_ranges/--data.test_contigs/--data.test_ranges hold out the whole "
             "genome: no training data is left"

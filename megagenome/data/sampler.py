@@ -24,11 +24,14 @@ RNG_WINDOWS = 0
 class WindowSampler:
     """Seeded epoch-wise tiling of `regions` into windows of `window_len` bases; see the module docstring."""
 
-    def __init__(self, regions: Sequence[Region], window_len: int, seed: int):
+    def __init__(self, regions: Sequence[Region], window_len: int, seed: int, *, stream: int = 0):
+        # stream > 0 gives an independent window order for the same seed (one per source of a blend);
+        # stream 0 keeps the original rng key, so single-source runs are unchanged.
         if window_len <= 0:
             raise ValueError(f"window length must be positive, got {window_len}")
         self.window_len = int(window_len)
         self.seed = int(seed)
+        self.stream = int(stream)
         lengths = np.array([r.end - r.start for r in regions], dtype=np.int64)
         counts = lengths // self.window_len
         used = counts > 0
@@ -57,7 +60,8 @@ class WindowSampler:
         """(phase per region, permutation of window ids) of one epoch; the last two epochs are cached."""
         state = self._cache.get(epoch)
         if state is None:
-            rng = np.random.default_rng([self.seed, RNG_WINDOWS, epoch])
+            key = [self.seed, RNG_WINDOWS, epoch] + ([self.stream] if self.stream else [])
+            rng = np.random.default_rng(key)
             phases = rng.integers(0, self._slack + 1)  # one draw per region, each in [0, slack]
             order = rng.permutation(self.num_windows)
             state = (phases.astype(np.int64), order)
