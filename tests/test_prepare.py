@@ -340,3 +340,20 @@ def test_prepared_data_resumes_at_another_data_parallel_size(inputs, group_prepa
     print(f"2 ranks vs 2 ranks to step {STOP} then 1 rank: losses differ by {diff:.3g}")
     assert diff <= 1e-6, (a, b)
     assert max_abs_diff(two.weights("full"), one.weights("resized")) <= 1e-6
+
+
+def test_example_manifest_prepares(tmp_path):
+    """examples/manifest.yaml, as the README shows it (its inputs are copied: pyfaidx indexes beside a FASTA)."""
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "examples", root / "examples")
+    (root / "tests" / "data").mkdir(parents=True)
+    for name in ["chrM_rCRS_16569bp.fa", "mtDNA_H100_vs_rCRS.vcf"]:
+        shutil.copy(DATA / name, root / "tests" / "data" / name)
+    out = tmp_path / "prepared"
+    proc = prepare(str(root / "examples" / "manifest.yaml"), out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    index = json.loads((out / "index.json").read_text())
+    assert [(u["name"], u["group"], u["weight"]) for u in index["units"]] == [
+        ("ecoli", "ecoli", 3.0),
+        ("h100.hap0", "individual-H100", 1.0),
+    ]
