@@ -4,7 +4,7 @@ A 51M-parameter model (d_model 512, 16 layers, 8 heads) at seq_len 2048 in bf16,
 configurations (ZeRO 0-3, ZeRO-2 with optimizer offload, ZeRO-3 with parameter + optimizer offload) x
 activation checkpointing policy (none, full, selective) x micro batch (1, 2). For each cell:
 
-- model-state bytes per rank, counted from the engine's tensors (engine.model_state_bytes, the memory.json
+- model-state bytes per rank, counted from the engine's tensors (train/memory.py model_state_bytes, the memory.json
   that `megagenome pretrain` writes, written here per engine configuration);
 - peak RSS per rank over the cell's steps (ru_maxrss, the metrics.jsonl mem_peak_bytes, reset before every
   step through /proc/self/clear_refs), with MALLOC_MMAP_THRESHOLD_=65536 so that freed memory goes back to the

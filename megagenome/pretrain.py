@@ -42,7 +42,7 @@ from megagenome.parallel import pipeline, tensor_parallel
 from megagenome.parallel.sequence import sequence_problems, shard_batch
 from megagenome.parallel.state import ParallelState, layout_problems
 from megagenome.record import env_record, write_json, write_yaml
-from megagenome.train import checkpoint
+from megagenome.train import checkpoint, memory
 from megagenome.train import engine as ds
 from megagenome.train.loop import LoopPlan, TrainingStopped, evaluate, fit, forward_backward_step, forward_sums
 from megagenome.train.watchdog import Watchdog
@@ -361,12 +361,12 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
 
 def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_size: int, ds_config: dict):
     """A fit() on_gradients callback: at step index `at_step`, gather every rank's model-state bytes
-    (engine.model_state_bytes) and have rank 0 write them to `path`, next to the ZeRO formula of DESIGN.md."""
+    (train/memory.py model_state_bytes) and have rank 0 write them to `path`, next to the ZeRO formula of DESIGN.md."""
 
     def probe(step: int) -> None:
         if step != at_step:
             return
-        ranks = ds.all_gather_object(ds.model_state_bytes(engine))
+        ranks = ds.all_gather_object(memory.model_state_bytes(engine))
         if rank != 0:
             return
         stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))

@@ -17,7 +17,7 @@ from test_cli import parse
 
 from megagenome.config import ConfigError
 from megagenome.pretrain import prepare
-from megagenome.train import checkpoint
+from megagenome.train import checkpoint, universal
 from megagenome.train import engine as seam
 
 
@@ -194,10 +194,10 @@ def test_tensor_parallel_model_records_how_to_merge_its_shards():
     for name, dim in [("embed", 0), ("proj", 1)]:
         p = getattr(model, name)
         p.tensor_model_parallel, p.partition_dim = True, dim
-    info = seam.universal_checkpoint_info(model)
+    info = universal.universal_checkpoint_info(model)
     assert info[C.TP_REPLICATED_PARAMETER_PATTERNS] == ["norm$"]
     assert info[C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == ["proj$"]
-    dense = seam.universal_checkpoint_info(torch.nn.Linear(2, 2))
+    dense = universal.universal_checkpoint_info(torch.nn.Linear(2, 2))
     assert dense == {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE}
 
 
@@ -207,5 +207,5 @@ def test_tensor_parallel_checkpoint_without_merge_info_is_refused(tmp_path):
     for tp_rank in range(2):
         torch.save({"module": {}, "universal_checkpoint_info": {}}, tag / f"mp_rank_{tp_rank:02d}_model_states.pt")
     with pytest.raises(ValueError, match="2 tensor-parallel shards but no record of how to merge them"):
-        seam.to_universal(str(tag), str(tmp_path / "out"))
+        universal.to_universal(str(tag), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()

@@ -30,7 +30,7 @@ LAYERS = {
     "__init__": 0,
 }
 SEAMS = {
-    "deepspeed": {"train/engine", "parallel/pipeline"},
+    "deepspeed": {"train/engine", "train/universal", "train/memory", "parallel/pipeline"},
     "flash_attn": {"model/attention"},
     "pyfaidx": {"data/fasta"},
     "pysam": {"data/variants"},

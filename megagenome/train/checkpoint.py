@@ -22,7 +22,7 @@ import shutil
 
 import torch
 
-from megagenome.train import engine as seam  # the DeepSpeed seam (its module imports no deepspeed)
+from megagenome.train import universal  # a DeepSpeed seam: it imports deepspeed inside its functions
 
 MARKER = "COMPLETE"
 INFO = "client_state.json"  # step, samples_consumed, config_hash, format and the layout that wrote the checkpoint
@@ -118,7 +118,7 @@ def load(engine, path: str, rank: int, restore_rng: bool = True) -> dict:
     )
     if loaded is None:
         raise ValueError(f"DeepSpeed could not load the checkpoint in {path}")
-    seam.repair_universal_load(engine, path)
+    universal.repair_universal_load(engine, path)
     rng_file = os.path.join(path, f"rng_rank{rank:05d}.pt")
     if restore_rng and os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -306,7 +306,7 @@ def convert_to_universal(checkpoint: str, output: str | None = None, workers: in
     work = os.path.join(out_root, f".{tag}.converting-{os.getpid()}")
     staged = os.path.join(work, tag)  # DeepSpeed writes `latest_universal` into work/, which is then removed
     try:
-        seam.to_universal(src, staged, workers=workers)
+        universal.to_universal(src, staged, workers=workers)
         for rng in glob.glob(os.path.join(src, "rng_rank*.pt")):
             shutil.copy2(rng, staged)
         out_info = {k: v for k, v in info.items() if k not in ("format", "layout")}
