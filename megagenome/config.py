@@ -299,6 +299,10 @@ class LogConfig:
     """Run directory: config.yaml, ds_config.json, env.json, metrics.jsonl, checkpoints/."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device that MFU and HFU divide by. Default: the datasheet bf16 dense peak of a known GPU,
+    looked up from its name (metrics.py PEAK_TFLOPS), else a matmul peak measured at start in the run's precision
+    (CPU, unknown GPUs). metrics.jsonl records the value and its source (peak_source)."""
 
 
 @dataclass
@@ -478,6 +482,8 @@ def validate(cfg: RootConfig, dp_size: int) -> list[str]:
         problems.append(f"--train.hang_timeout_s={t.hang_timeout_s:g}: must be >= 0 (0 disables the watchdog)")
     if t.num_threads is not None and t.num_threads <= 0:
         problems.append(f"--train.num_threads={t.num_threads}: must be positive")
+    if cfg.log.peak_tflops is not None and not cfg.log.peak_tflops > 0:
+        problems.append(f"--log.peak_tflops={cfg.log.peak_tflops:g}: must be positive (TFLOP/s of one device)")
     micro, accum, global_batch = batch_sizes(t, dp_size)
     if (
         t.global_batch_size is not None

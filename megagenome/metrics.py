@@ -1,8 +1,21 @@
-"""Training metrics: the metrics.jsonl writer, bits per base and the FLOP/MFU accounting (layer L1).
+"""Training metrics: the metrics.jsonl writer, bits per base and the FLOP/MFU/HFU accounting (layer L1).
 
-FLOPs are counted the way DESIGN.md fixes them: 6N + 12*L*d*s per token (forward + backward, no
-recompute), with N the parameter count (tied embeddings once). With a DNA vocabulary of 8 tokens the
-embedding table is a rounding error either way.
+FLOPs per token, as DESIGN.md fixes them (N: the parameter count, tied embeddings once; L layers, width d,
+sequence length s; one FLOP is a multiply or an add, so a multiply-accumulate is 2):
+
+- Model FLOPs (MFU), no recompute: 6N + 12*L*d*s. Each weight takes part in one matmul per token: 2N forward,
+  4N backward (gradients of the input and of the weight). Attention scores: per layer and token, q.k^T over s
+  keys and all heads is 2*d*s, the weighted sum of values (A.V) another 2*d*s; 4*d*s forward, 12*d*s with
+  backward. The full s is counted under a causal mask too (the PaLM/Megatron convention). Norm scales and an
+  untied embedding table are in N though they do no matmul; with a DNA vocabulary of 8 tokens and (2L+1)*d
+  norm scales this overcounts by well under 1% (tests/test_metrics.py states the exact difference).
+- Forward FLOPs: a third of that, 2N + 4*L*d*s.
+- Hardware FLOPs (HFU) = model FLOPs + the forward FLOPs that activation checkpointing reruns in backward
+  (recompute_flops_per_token; its docstring derives each policy).
+
+The peak the ratios divide by (resolve_peak): --log.peak_tflops when given, else the datasheet bf16 dense
+peak of a known GPU looked up from the device name (PEAK_TFLOPS), else a matmul peak measured once at start in
+the run's precision (CPU, or a GPU missing from the table); metrics rows say which in "peak_source".
 """
 
 from __future__ import annotations
@@ -10,34 +23,215 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import time
+from collections.abc import Callable
 
-# bf16 dense peak TFLOP/s by device-name fragment (vendor datasheets). Matched in order, so the more
-# specific names come first.
-PEAK_TFLOPS_BF16 = [
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),
-    ("GH200", 989.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("A10G", 70.0),
-    ("L4", 121.0),
-    ("V100", 125.0),
+CHECKPOINTING = ("none", "full", "every_k", "selective")
+
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peak TFLOP/s per device as PyTorch enumerates devices, from vendor
+# datasheets: (pattern, name, TFLOP/s). Patterns are matched against the device name upper-cased with "-" and
+# "_" read as spaces, in order, so a variant (PCIe, NVL) comes before its family's default (SXM).
+PEAK_TFLOPS: list[tuple[str, str, float]] = [
+    # Hopper / Blackwell
+    (r"\bGH200\b", "GH200", 989.0),  # the Hopper GPU of Grace Hopper: H100 SXM's tensor cores
+    (r"\bGB200\b", "GB200", 2500.0),  # per GPU of an NVL72: 5 PFLOP/s sparse
+    (r"\bH200\b.*\bNVL\b", "H200 NVL", 835.0),
+    (r"\bH200\b", "H200 SXM", 989.0),
+    (r"\bH100\b.*\bNVL\b", "H100 NVL", 835.0),
+    (r"\bH100\b.*\bPCIE\b", "H100 PCIe", 756.0),
+    (r"\bH100\b", "H100 SXM", 989.0),  # "NVIDIA H100 80GB HBM3"
+    (r"\bH800\b.*\bPCIE\b", "H800 PCIe", 756.0),
+    (r"\bH800\b", "H800 SXM", 989.0),
+    (r"\bH20\b", "H20", 148.0),
+    (r"\bB200\b", "B200", 2250.0),  # HGX B200: 36 PFLOP/s sparse over 8 GPUs
+    (r"\bB100\b", "B100", 1750.0),
+    # Ampere
+    (r"\bA100\b.*\bPCIE\b", "A100 PCIe", 312.0),  # 40GB and 80GB alike
+    (r"\bA100\b", "A100 SXM", 312.0),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"
+    (r"\bA800\b.*\bPCIE\b", "A800 PCIe", 312.0),
+    (r"\bA800\b", "A800 SXM", 312.0),
+    (r"\bA40\b", "A40", 149.7),
+    (r"\bA30\b", "A30", 165.0),
+    (r"\bA10G\b", "A10G", 70.0),  # AWS's variant (G5 instances); NVIDIA publishes no datasheet for it
+    (r"\bA10\b", "A10", 125.0),
+    (r"\bRTX A6000\b", "RTX A6000", 154.8),
+    # Ada Lovelace
+    (r"\bL40S\b", "L40S", 362.0),
+    (r"\bL40\b", "L40", 181.0),
+    (r"\bL4\b", "L4", 121.0),
+    (r"\bRTX 6000 ADA\b", "RTX 6000 Ada", 364.2),
+    (r"\bRTX 4090\b", "RTX 4090", 165.2),  # with fp32 accumulation (GeForce: 330 with fp16 accumulation)
+    # No bf16 at all: their fp16 tensor-core peak, the precision such a GPU trains in.
+    (r"\bV100S\b", "V100S (fp16, no bf16)", 130.0),
+    (r"\bV100\b.*\bPCIE\b", "V100 PCIe (fp16, no bf16)", 112.0),
+    (r"\bV100\b", "V100 SXM2 (fp16, no bf16)", 125.0),
+    (r"\bT4\b", "T4 (fp16, no bf16)", 65.0),
+    # AMD Instinct. An MI250X or MI250 module is two GCDs, each its own PyTorch device (named after the module):
+    # the per-device peak is half the module's datasheet 383 (MI250X) or 362 (MI250).
+    (r"\bMI325X\b", "MI325X", 1307.4),
+    (r"\bMI300X\b", "MI300X", 1307.4),
+    (r"\bMI300A\b", "MI300A", 980.6),
+    (r"\bMI250X\b", "MI250X GCD", 191.5),
+    (r"\bMI250\b", "MI250 GCD", 181.0),
+    (r"\bMI210\b", "MI210", 181.0),
 ]
+
+
+def gpu_peak(device_name: str) -> tuple[str, float] | None:
+    """(table name, datasheet peak TFLOP/s) of the first PEAK_TFLOPS pattern matching a device name, else None."""
+    key = re.sub(r"[-_]", " ", device_name.upper())
+    for pattern, name, tflops in PEAK_TFLOPS:
+        if re.search(pattern, key):
+            return name, tflops
+    return None
 
 
 def peak_tflops(device_name: str) -> float | None:
     """Datasheet bf16 dense peak for a GPU name, or None when unknown (CPU included)."""
-    for fragment, tflops in PEAK_TFLOPS_BF16:
-        if fragment.lower() in device_name.lower():
-            return tflops
-    return None
+    found = gpu_peak(device_name)
+    return None if found is None else found[1]
+
+
+def measure_matmul_tflops(device, dtype, size: int = 1024, repeats: int = 5, budget_s: float = 1.0) -> float:
+    """Best-of-`repeats` TFLOP/s of a (size x size) @ (size x size) matmul in `dtype` on `device`: the peak MFU
+    divides by where no datasheet value applies. Stops repeating once `budget_s` is spent (after at least one
+    timed matmul), so it costs about a second at most; 2*size^3 FLOPs per matmul."""
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
+    a @ b  # warm-up: kernel selection, thread pool start
+    sync()
+    best, spent = math.inf, 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        sync()
+        elapsed = time.perf_counter() - started
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > budget_s:
+            break
+    return 2.0 * size**3 / max(best, 1e-12) / 1e12
+
+
+def resolve_peak(
+    override: float | None, device_name: str | None, measure: Callable[[], float], device_type: str = "cpu"
+) -> tuple[float, str]:
+    """(peak TFLOP/s per device, its source): the override ("override"), else the datasheet value of a known GPU
+    ("datasheet:<table name>"), else measure() ("measured-<device_type>-matmul", e.g. measured-cpu-matmul).
+    measure is called only in the last case."""
+    if override is not None:
+        return float(override), "override"
+    found = gpu_peak(device_name) if device_name else None
+    if found is not None:
+        return found[1], f"datasheet:{found[0]}"
+    return float(measure()), f"measured-{device_type}-matmul"
 
 
 def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the weight matmuls (fwd + bwd) + 12*L*d*s for attention scores."""
     return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def forward_flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    """Forward FLOPs per token: 2N + 4*L*d*s, a third of flops_per_token."""
+    return 2.0 * n_params + 4.0 * n_layer * d_model * seq_len
+
+
+def block_parameters(d_model: int, d_ff: int) -> int:
+    """Parameters of one transformer block (model/layers.py Block): fused qkv 3d^2, output projection d^2,
+    SwiGLU gate, up and down 3*d*d_ff, two RMSNorm scales 2d; no biases."""
+    return 4 * d_model * d_model + 3 * d_model * d_ff + 2 * d_model
+
+
+def recompute_flops_per_token(
+    n_params: int,
+    n_layer: int,
+    d_model: int,
+    seq_len: int,
+    checkpointing: str = "none",
+    block_params: int | None = None,
+    *,
+    d_ff: int | None = None,
+    checkpoint_every: int = 1,
+    early_stop: bool = False,
+    dropout: float = 0.0,
+    pipeline_segments: bool = False,
+) -> float:
+    """Forward FLOPs per token that activation checkpointing runs a second time, in backward.
+
+    --model.checkpointing, as model/transformer.py and model/layers.py run it (P = block_params, the parameters
+    of one block: block_parameters(d_model, d_ff) or counted on the model):
+
+    - none: 0.
+    - full: every block is a checkpointed segment, so each block's forward reruns once: L*(2P + 4*d*s).
+    - every_k: the blocks are cut into consecutive segments of k = checkpoint_every from block 0, the last one
+      possibly shorter, and every segment is checkpointed: each block still reruns once, L*(2P + 4*d*s) as for
+      full (k sets the activations kept, and below the number of segments).
+    - selective: only the attention core (scaled-dot-product attention of q, k, v) is checkpointed; per layer it
+      reruns q.k^T (2*d*s) and A.V (2*d*s): 4*L*d*s. Projections, rotary, norms and MLP run once. This assumes a
+      fused kernel (flash-attn, SDPA's flash or memory-efficient kernels, the CPU flash kernel), one op that
+      reruns whole; SDPA's math fallback is a chain of ops, and with early_stop only its scores q.k^T rerun.
+
+    early_stop: the checkpoint function is torch's non-reentrant checkpoint with early stopping (the model's
+    default when the DeepSpeed JSON has no activation_checkpointing block; DeepSpeed's checkpoint is reentrant and
+    reruns the whole segment). It stops recomputing a segment once every tensor backward needs is rebuilt. A
+    block ends with w_down, whose output only feeds the residual add (which saves nothing) when dropout is 0, so
+    without dropout the last block of each segment skips w_down: 2*d*d_ff less per segment (L segments for full,
+    ceil(L/k) for every_k; d_ff is needed then). With dropout the residual dropout saves its mask and w_down reruns.
+
+    pipeline_segments (--parallel.pipeline > 1 with --parallel.pipeline_checkpoint_interval > 0): DeepSpeed's
+    PipelineModule checkpoints every segment of layers that holds parameters, which is all of them (embedding,
+    blocks, final norm, head), so the whole forward reruns, 2N + 4*L*d*s, on top of the policy's own term
+    (selective reruns the core once more, inside the recomputed segment). Counted whole: an upper bound when the
+    segment function stops early.
+
+    Not counted, as in the model FLOPs: ops other than matmuls, and the score recomputation that fused attention
+    kernels do inside their own backward.
+    """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r}: must be one of {', '.join(CHECKPOINTING)}")
+    L, d, s = n_layer, d_model, seq_len
+    extra = 0.0
+    if checkpointing in ("full", "every_k"):
+        if block_params is None or block_params <= 0:
+            raise ValueError(f"checkpointing={checkpointing} recomputes whole blocks: give block_params")
+        extra += L * (2.0 * block_params + 4.0 * d * s)
+        if early_stop and dropout == 0:
+            if d_ff is None or checkpoint_every < 1:
+                raise ValueError("early_stop without dropout skips each segment's last w_down: give d_ff")
+            segments = L if checkpointing == "full" else math.ceil(L / checkpoint_every)
+            extra -= segments * 2.0 * d * d_ff
+    elif checkpointing == "selective":
+        extra += 4.0 * L * d * s
+    if pipeline_segments:
+        extra += forward_flops_per_token(n_params, L, d, s)
+    return extra
+
+
+def hardware_flops_per_token(
+    n_params: int,
+    n_layer: int,
+    d_model: int,
+    seq_len: int,
+    checkpointing: str = "none",
+    block_params: int | None = None,
+    **recompute,
+) -> float:
+    """FLOPs per token the hardware runs (HFU): flops_per_token + recompute_flops_per_token (same arguments).
+
+    E.g. full checkpointing with DeepSpeed's (reentrant) checkpoint: 6N + 12*L*d*s + L*(2P + 4*d*s)
+    = 6N + 2*N_blocks + 16*L*d*s with N_blocks = L*P."""
+    return flops_per_token(n_params, n_layer, d_model, seq_len) + recompute_flops_per_token(
+        n_params, n_layer, d_model, seq_len, checkpointing, block_params, **recompute
+    )
 
 
 def zero_model_state_bytes(n_params: int, zero_stage: int, dp_size: int) -> float:

@@ -35,7 +35,15 @@ from megagenome.data.dataset import GenomeData, build_genome_data, build_prepare
 from megagenome.data.markov import markov_bits_per_base
 from megagenome.data.sampler import batch_indices
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.metrics import MetricsWriter, flops_per_token, peak_tflops, read_metrics, zero_model_state_bytes
+from megagenome.metrics import (
+    MetricsWriter,
+    flops_per_token,
+    hardware_flops_per_token,
+    measure_matmul_tflops,
+    read_metrics,
+    resolve_peak,
+    zero_model_state_bytes,
+)
 from megagenome.model import DNATransformer
 from megagenome.model.transformer import padded_vocab_size
 from megagenome.parallel import pipeline, tensor_parallel
@@ -44,7 +52,15 @@ from megagenome.parallel.state import ParallelState, layout_problems
 from megagenome.record import env_record, write_json, write_yaml
 from megagenome.train import checkpoint, memory
 from megagenome.train import engine as ds
-from megagenome.train.loop import LoopPlan, TrainingStopped, evaluate, fit, forward_backward_step, forward_sums
+from megagenome.train.loop import (
+    LoopPlan,
+    TokenCounter,
+    TrainingStopped,
+    evaluate,
+    fit,
+    forward_backward_step,
+    forward_sums,
+)
 from megagenome.train.watchdog import Watchdog
 
 _FLAG = re.compile(r"--([a-z_]+\.[a-z_]+)")
@@ -206,6 +222,7 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = DNATransformer(cfg.model, VOCAB_SIZE)
     n_params = model.num_parameters()
+    block_params = sum(p.numel() for p in model.blocks[0].parameters())  # of the dense model, for hardware FLOPs
     gpu = ds.on_gpu()
     if gpu:
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
@@ -252,6 +269,15 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
             flush=True,
         )
     ds.barrier()
+    # Every rank measures at once (when it measures), sharing the machine as training will; rank 0's value is logged.
+    peak, peak_source = resolve_peak(
+        cfg.log.peak_tflops,
+        torch.cuda.get_device_name(device) if gpu else None,
+        lambda: measure_matmul_tflops(device, _compute_dtype(ds_config)),
+        device.type,
+    )
+    if rank == 0:
+        print(f"megagenome: peak {peak:,.3g} TFLOP/s per device for MFU/HFU ({peak_source})", flush=True)
 
     chash = config_hash(cfg)
     start_step = 0
@@ -275,10 +301,12 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     def to_device(batch: dict) -> dict:
         return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
-    def train_batch(step: int, micro_step: int) -> dict:
+    def sharded_batch(step: int, micro_step: int) -> dict:
         cursor = step * global_batch
         indices = batch_indices(cursor, micro_step, dp_rank, prep.dp_size, micro)
         return shard_batch(data.train_batch(indices), sp_rank, par.sequence, sp_loss_factor)
+
+    train_batch = TokenCounter(sharded_batch)  # counts real (loss-carrying) tokens for the metrics rows
 
     def reduce_eval(values: list[float]) -> list[float]:
         return [v / par.tensor for v in ds.all_reduce_sum(values)]  # tensor-parallel ranks hold replicated sums
@@ -302,11 +330,27 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
         eval_interval=cfg.train.eval_interval,
         ckpt_interval=cfg.checkpoint.interval,
         flops_per_token=flops_per_token(n_params, cfg.model.n_layer, cfg.model.d_model, cfg.data.seq_len),
-        peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if gpu else None,
+        peak_tflops=peak,
         world_size=world_size,
         rank=rank,
         loss_shards=par.sequence // sp_loss_factor,  # scaled chunk losses already average to the whole loss
         stop_signal=cfg.checkpoint.signal,
+        hw_flops_per_token=hardware_flops_per_token(
+            n_params,
+            cfg.model.n_layer,
+            cfg.model.d_model,
+            cfg.data.seq_len,
+            cfg.model.checkpointing,
+            block_params,
+            d_ff=d_ff(cfg.model),
+            checkpoint_every=cfg.model.checkpoint_every,
+            early_stop=checkpoint_fn is None,  # torch's checkpoint (early stopping); DeepSpeed's reruns everything
+            dropout=cfg.model.dropout,
+            pipeline_segments=par.pipeline > 1 and par.pipeline_checkpoint_interval > 0,
+        ),
+        peak_source=peak_source,
+        # Tensor-parallel ranks and pipeline stages past the first see the tokens of the same samples again.
+        counts_tokens=state.get_tensor_model_parallel_rank() == 0 and state.get_pipeline_model_parallel_rank() == 0,
     )
     # memory.json: at the second step of this invocation (the only one if it has one), once optimizer states
     # exist, between backward and the optimizer step, when the step's gradients are complete.
@@ -359,6 +403,15 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     return summary
 
 
+def _compute_dtype(ds_config: dict) -> torch.dtype:
+    """The precision the run's matmuls run in, per the DeepSpeed config: what a measured peak is measured in."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
 def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_size: int, ds_config: dict):
     """A fit() on_gradients callback: at step index `at_step`, gather every rank's model-state bytes
     (train/memory.py model_state_bytes) and have rank 0 write them to `path`, next to the ZeRO formula of DESIGN.md."""
@@ -403,7 +456,16 @@ def _summarise(
     )
     best_k = min(baselines, key=baselines.get)
     final_eval = eval_rows[-1] if eval_rows else result.get("eval", {})
-    tps = [r["tokens_per_s"] for r in train_rows[1:]] or [r["tokens_per_s"] for r in train_rows]
+    timed = train_rows[1:] or train_rows  # the first window includes warm-up
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return float(np.median(values)) if values else None
+
+    tps = [r["tokens_per_s"] for r in timed]
+    real = [r.get("window_real_tokens") for r in train_rows]
+    padded = sum(r.get("window_tokens") or 0 for r in train_rows)
+    last = train_rows[-1] if train_rows else {}
     summary = {
         "run_dir": os.path.abspath(cfg.log.run_dir),
         "parameters": n_params,
@@ -414,6 +476,13 @@ def _summarise(
         "best_markov_order": best_k,
         "beats_best_markov": (final_eval.get("bits_per_base") or math.inf) < baselines[best_k],
         "tokens_per_s_median": float(np.median(tps)) if tps else None,
+        "tflops_per_gpu_median": median("tflops_per_gpu"),
+        "mfu_median": median("mfu"),
+        "hfu_median": median("hfu"),
+        "peak_tflops": last.get("peak_tflops"),
+        "peak_source": last.get("peak_source"),
+        "real_token_fraction": sum(real) / padded if padded and real and None not in real else None,
+        "mem_peak_bytes_max": max((r.get("mem_peak_bytes_max") or 0 for r in train_rows), default=None),
         "wall_s": wall_s,
     }
     write_json(os.path.join(cfg.log.run_dir, "summary.json"), summary)
@@ -438,4 +507,14 @@ def _print_summary(s: dict) -> None:
     print(f"                   model is {verdict} the best Markov baseline", file=out)
     if s["tokens_per_s_median"] is not None:
         print(f"tokens/s           {s['tokens_per_s_median']:,.0f} (median over logged intervals, all ranks)", file=out)
+    if s.get("mfu_median") is not None:
+        print(
+            f"MFU                {100 * s['mfu_median']:.2f}%  (HFU {100 * s['hfu_median']:.2f}%; "
+            f"{s['tflops_per_gpu_median']:.3g} TFLOP/s per device of {s['peak_tflops']:.3g}, {s['peak_source']})",
+            file=out,
+        )
+    if s.get("real_token_fraction") is not None:
+        print(f"real tokens        {100 * s['real_token_fraction']:.2f}% of positions carry loss", file=out)
+    if s.get("mem_peak_bytes_max"):
+        print(f"peak memory        {s['mem_peak_bytes_max'] / 2**30:.2f} GiB (largest rank)", file=out)
     print(f"wall time          {s['wall_s']:.1f} s", file=out, flush=True)

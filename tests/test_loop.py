@@ -154,3 +154,82 @@ def test_summary_of_a_run_stopped_before_any_evaluation(capsys):
         }
     )
     assert "not evaluated yet" in capsys.readouterr().out
+
+
+def test_accounting_columns(tmp_path):
+    """Two ranks, rank 0 here; the other rank's contribution to the one reduce_sum per row is simulated: loss 1.0
+    (its own), 5 real tokens in 1 batch, and a larger peak memory in its slot."""
+    engine = StandInEngine()
+    p = plan(max_steps=3)
+    p.world_size, p.global_batch = 2, 2
+    p.flops_per_token, p.hw_flops_per_token, p.peak_tflops, p.peak_source = 6.0, 8.0, 1e-9, "override"
+    other_mem = float(2**50)
+    calls = []
+
+    def reduce_sum(values):
+        calls.append(len(values))
+        other = [values[0], 5.0, 1.0, 0.0, other_mem]
+        return [a + b for a, b in zip(values, other)]
+
+    def train_batch(step, micro):
+        return {"loss_weight": torch.tensor([[1.0, 0.0, 0.5, 1.0]])}  # 3 positions carry loss, one padding/N
+
+    writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
+    evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
+    fit(engine, p, train_batch, lambda: evaluated, lambda s: None, writer, reduce_sum, lambda b: b, False)
+    rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "split" not in r]
+    assert calls == [3 + 2] * 3  # loss, real tokens, batches, one memory slot per rank: one collective per row
+    for r in rows:
+        assert r["window_tokens"] == 2 * 4 and r["window_real_tokens"] == 3 + 5
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
+        assert r["tflops_per_gpu"] == pytest.approx(6.0 * r["tokens_per_s"] / 2 / 1e12)
+        assert r["hw_tflops_per_gpu"] == pytest.approx(8.0 * r["tokens_per_s"] / 2 / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 1e-9)
+        assert r["hfu"] / r["mfu"] == pytest.approx(8.0 / 6.0)
+        assert r["peak_tflops"] == 1e-9 and r["peak_source"] == "override"
+        assert r["mem_peak_bytes_max"] == other_mem > r["mem_peak_bytes"] > 0
+        assert r["loss"] == pytest.approx(float((engine.module.weight.detach() ** 2).sum()))  # mean of 2 equal
+
+
+def test_ranks_that_do_not_count_tokens_and_batches_without_weights(tmp_path):
+    p = plan(max_steps=2)
+    p.counts_tokens = False  # e.g. a tensor-parallel rank > 0: its batches repeat rank 0's tokens
+    batch = {"loss_weight": torch.ones(1, 4)}
+    writer = MetricsWriter(str(tmp_path / "a.jsonl"), enabled=True)
+    evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
+    fit(StandInEngine(), p, lambda s, m: batch, lambda: evaluated, [].append, writer, lambda v: v, lambda b: b, False)
+    rows = [r for r in read_metrics(str(tmp_path / "a.jsonl")) if "split" not in r]
+    assert [r["window_real_tokens"] for r in rows] == [None, None]
+    run_fit(StandInEngine(), tmp_path, [])  # batches without loss_weight: nothing to count
+    rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "split" not in r]
+    assert {r["window_real_tokens"] for r in rows} == {None}
+    assert {r["hfu"] for r in rows} == {None} and rows[0]["hw_tflops_per_gpu"] == rows[0]["tflops_per_gpu"]
+
+
+def test_summary_shows_mfu_hfu_and_the_peak_source(capsys):
+    from megagenome.pretrain import _print_summary
+
+    _print_summary(
+        {
+            "run_dir": "r",
+            "parameters": 10,
+            "steps": 3,
+            "train_loss": 1.2,
+            "heldout_bits_per_base": 1.9,
+            "markov_bits_per_base": {"0": 2.0},
+            "best_markov_order": 0,
+            "beats_best_markov": True,
+            "tokens_per_s_median": 1000.0,
+            "tflops_per_gpu_median": 0.05,
+            "mfu_median": 0.25,
+            "hfu_median": 0.3,
+            "peak_tflops": 0.2,
+            "peak_source": "measured-cpu-matmul",
+            "real_token_fraction": 0.99,
+            "mem_peak_bytes_max": 2**31,
+            "wall_s": 1.0,
+        }
+    )
+    out = capsys.readouterr().out
+    assert "MFU                25.00%  (HFU 30.00%" in out and "measured-cpu-matmul" in out
+    assert "99.00% of positions carry loss" in out and "2.00 GiB" in out

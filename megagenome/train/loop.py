@@ -9,6 +9,16 @@ Stopping for a requeue: while fit() runs, the checkpoint signal (LoopPlan.stop_s
 sets a flag. After every step the flag is summed over all ranks, since a scheduler may signal some ranks and not
 others (or at different moments); once any rank has it, every rank stops after that same step, a checkpoint of
 it is saved, and Preempted is raised: the command line exits with PREEMPTED_EXIT and the job script requeues.
+
+Accounting (one row per logging window, metrics.py for the FLOP formulas): tokens counts every position of every
+window trained (padding and N included) and is cumulative; window_tokens is that count for the window and
+window_real_tokens the positions that carry loss (loss_weight > 0: not N, not packing separators, for mlm only
+the selected positions), counted on the CPU batches by TokenCounter. tokens_per_s is global; tflops_per_gpu and
+mfu use the model FLOPs (6N + 12*L*d*s per token), hw_tflops_per_gpu and hfu the hardware FLOPs (plus what
+activation checkpointing recomputes); peak_tflops and peak_source say what the ratios divide by. mem_peak_bytes
+is rank 0's peak, mem_peak_bytes_max the largest over ranks. The loss, the real-token count and every rank's peak
+memory travel in one reduce_sum per logged window (each rank puts its peak in its own slot of a vector, so the
+sum carries them all and the maximum is taken locally): no extra collective.
 """
 
 from __future__ import annotations
@@ -49,6 +59,14 @@ class LoopPlan:
     loss_shards: int = 1
     # Name of the signal that stops the run with a checkpoint for a requeue (--checkpoint.signal); None: not watched.
     stop_signal: str | None = None
+    # FLOPs per token the hardware runs, recomputation included (metrics.hardware_flops_per_token); None: no
+    # recompute, the same as flops_per_token.
+    hw_flops_per_token: float | None = None
+    # Where peak_tflops comes from: "datasheet:<GPU>", "override" or "measured-<device>-matmul" (metrics.resolve_peak).
+    peak_source: str | None = None
+    # Whether this rank adds the real tokens of its batches to the global count: one rank per data-parallel replica
+    # and sequence chunk does (tensor-parallel rank 0 of the first pipeline stage), as the others see the same tokens.
+    counts_tokens: bool = True
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -56,6 +74,33 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class TokenCounter:
+    """train_batch(step, micro_step) that also counts the positions of each batch carrying loss (loss_weight > 0).
+
+    Counting the batch as built, before it is moved to the device, costs a comparison and a sum over (B, T) on the
+    CPU and no device synchronisation. pretrain.py gives the counting train_batch to its step function and to fit(),
+    which reads and resets the count at every logged window. Batches without a loss_weight are not counted."""
+
+    def __init__(self, train_batch: Callable[[int, int], dict]):
+        self.train_batch = train_batch
+        self.real_tokens = 0
+        self.batches = 0
+
+    def __call__(self, step: int, micro_step: int) -> dict:
+        batch = self.train_batch(step, micro_step)
+        weight = batch.get("loss_weight")
+        if weight is not None:
+            self.real_tokens += int((weight > 0).sum())
+            self.batches += 1
+        return batch
+
+    def take(self) -> tuple[int, int]:
+        """(real tokens, batches) counted since the last take()."""
+        out = self.real_tokens, self.batches
+        self.real_tokens, self.batches = 0, 0
+        return out
 
 
 def forward_sums(engine, batches: Iterable[dict], to_device: Callable[[dict], dict]) -> tuple[float, float]:
@@ -139,7 +184,9 @@ def fit(
     plan.grad_accum, on_gradients). pretrain.py chooses it once: that one, or a pipeline engine's
     (parallel/pipeline.py train_step), which takes train_batch and on_gradients itself. on_gradients(step),
     when given, runs at every step between the last backward and the optimizer step, when the gradients of
-    the step are complete (pretrain.py measures model-state memory there).
+    the step are complete (pretrain.py measures model-state memory there). Real tokens are counted when
+    train_batch is a TokenCounter that train_step draws its batches from (the default train_step wraps
+    train_batch itself); otherwise window_real_tokens is None.
 
     With plan.stop_signal set, that signal on any rank ends the run after the current step: the step is logged, a
     checkpoint of it saved, and Preempted raised (unless the step was the invocation's last, which ends as usual).
@@ -154,10 +201,12 @@ def fit(
         dynamic_ncols=True,
         disable=not (progress and plan.rank == 0),
     )
+    counter = train_batch if isinstance(train_batch, TokenCounter) else TokenCounter(train_batch)
     if train_step is None:
-        train_step = forward_backward_step(engine, train_batch, to_device, plan.grad_accum, on_gradients)
+        train_step = forward_backward_step(engine, counter, to_device, plan.grad_accum, on_gradients)
     device = engine.device
     tokens_per_step = plan.global_batch * plan.seq_len
+    hw_flops_per_token = plan.flops_per_token if plan.hw_flops_per_token is None else plan.hw_flops_per_token
     last_train: dict = {}
     last_eval: dict = {}
     # Throughput counts only time spent in training steps, not evaluation or checkpoint saving.
@@ -176,9 +225,18 @@ def fit(
             # At the last step there is nothing left to stop: the run ends as usual (exit code 0).
             preempted = stop.agreed(reduce_sum) and not last
             if done % plan.log_interval == 0 or last or preempted:
-                mean_loss = reduce_sum([window_loss])[0] * plan.loss_shards / (window_steps * plan.world_size)
-                tokens_per_s = tokens_per_step * window_steps / max(window_time, 1e-9)
+                real, batches = counter.take()
+                mem_peak = peak_memory_bytes(device)
+                peaks = [0.0] * plan.world_size
+                peaks[plan.rank] = float(mem_peak)
+                counts = [real, batches] if plan.counts_tokens else [0, 0]
+                loss_sum, real_sum, batch_sum, *peaks = reduce_sum([window_loss, *counts, *peaks])
+                mean_loss = loss_sum * plan.loss_shards / (window_steps * plan.world_size)
+                window_tokens = tokens_per_step * window_steps
+                tokens_per_s = window_tokens / max(window_time, 1e-9)
                 tflops = plan.flops_per_token * tokens_per_s / plan.world_size / 1e12
+                hw_tflops = hw_flops_per_token * tokens_per_s / plan.world_size / 1e12
+                peak = plan.peak_tflops
                 grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
                 last_train = {
                     "step": done,
@@ -189,8 +247,15 @@ def fit(
                     "tokens_per_s": tokens_per_s,
                     "tokens_per_s_per_gpu": tokens_per_s / plan.world_size,
                     "tflops_per_gpu": tflops,
-                    "mfu": None if plan.peak_tflops is None else tflops / plan.peak_tflops,
-                    "mem_peak_bytes": peak_memory_bytes(device),
+                    "mfu": None if peak is None else tflops / peak,
+                    "hw_tflops_per_gpu": hw_tflops,
+                    "hfu": None if peak is None else hw_tflops / peak,
+                    "peak_tflops": peak,
+                    "peak_source": plan.peak_source,
+                    "window_tokens": window_tokens,
+                    "window_real_tokens": int(real_sum) if batch_sum else None,
+                    "mem_peak_bytes": mem_peak,
+                    "mem_peak_bytes_max": int(max(peaks)),
                     "loss_scale": _loss_scale(engine),
                     "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
                 }
