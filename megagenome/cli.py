@@ -2,6 +2,8 @@
 `megagenome convert-checkpoint --checkpoint <run dir or step_X> [--output DIR]`,
 `megagenome prepare --manifest M --out D [--workers N]`,
 `megagenome preflight --config C [--sizes 4KiB,64MiB]` (under the launcher, like pretrain),
+`megagenome plan --config C --gpus N [--gpu_memory_gb 80 --gpu H100 ...] [--json]`,
+`megagenome find-micro-batch --config C [--max_micro N] [--steps 2] [--memory_budget_gb G] [--data_parallel N]`,
 `megagenome hostfile [--nodelist LIST] [--slots N] [--output PATH]` / `megagenome hostfile --check PATH` and
 `megagenome deepspeed-env [--export "VAR ..."] [--output PATH]`.
 
@@ -17,6 +19,7 @@ import os
 import re
 import sys
 from argparse import ArgumentError
+from typing import Literal
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
@@ -197,6 +200,84 @@ def preflight_parser() -> ArgumentParser:
     return parser
 
 
+def plan_parser() -> ArgumentParser:
+    from megagenome.planner.timing import Cluster
+
+    parser = ArgumentParser(
+        prog="megagenome plan",
+        description="Predict per-GPU memory (parameters, gradients, optimizer states under each ZeRO stage and "
+        "offload, activations under each checkpointing policy, buffers) and step time (compute, gradient "
+        "communication) for every candidate configuration of a run config on a cluster, recommend the cheapest that "
+        "fits, and print the predicted weak-scaling efficiency from 8 to 512 GPUs. Nothing is launched.",
+    )
+    parser.add_argument(
+        "--config",
+        action=ActionConfigFile,
+        help="YAML run config, as given to `pretrain`; give it again with a YAML of cluster keys (gpus: 64, ...).",
+    )
+    parser.add_argument(
+        "--global_batch",
+        type=int | None,
+        default=None,
+        help="Sequences per optimizer step (default: --train.global_batch_size, else micro x accumulation x "
+        "data-parallel size of the config at --gpus).",
+    )
+    parser.add_argument(
+        "--precision",
+        type=Literal["bf16", "fp16", "fp32"] | None,
+        default=None,
+        help="Weights' dtype (default: the DeepSpeed JSON's bf16/fp16 section, else fp32).",
+    )
+    parser.add_argument(
+        "--grad_accum_dtype",
+        type=Literal["bf16", "fp16", "fp32"] | None,
+        default=None,
+        help="Gradient accumulation dtype (default: the JSON's data_types.grad_accum_dtype, else the weights').",
+    )
+    parser.add_argument("--json", action="store_true", help="Print the plan as JSON instead of tables.")
+    parser.add_class_arguments(RootConfig, nested_key=None, fail_untyped=True)
+    parser.add_class_arguments(Cluster, nested_key=None, fail_untyped=True)
+    return parser
+
+
+def find_micro_batch_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="megagenome find-micro-batch",
+        description="Find the largest micro batch that fits: train the run's model with its DeepSpeed JSON for "
+        "--steps steps at micro batch 1, 2, 4, ... (then a binary search between the last fit and the first "
+        "failure), each trial a child process of its own, in a world of ONE process; a trial that runs out of "
+        "memory, or peaks above --memory_budget_gb, does not fit. Prints each trial (micro, fits, peak memory, "
+        "tokens/s), the largest micro batch that fits and the gradient accumulation for the config's global batch "
+        "at --data_parallel ranks. Single-process assumption: the one rank holds the whole model state; with ZeRO "
+        ">= 1 over more ranks each holds less, so the answer is conservative (fits on one rank => fits on more). "
+        "Tensor, pipeline and sequence parallelism need several processes and are refused. Exit status 0 with an "
+        "answer, 1 when even micro batch 1 does not fit (or a trial fails otherwise), 2 on bad flags or config.",
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML run config, as given to `pretrain`.")
+    parser.add_argument("--max_micro", type=int, default=64, help="Largest micro batch size to try.")
+    parser.add_argument(
+        "--steps", type=int, default=2, help="Optimizer steps per trial (tokens/s is the median after the first)."
+    )
+    parser.add_argument(
+        "--memory_budget_gb",
+        type=float | None,
+        default=None,
+        help="A trial whose peak memory (metrics.jsonl mem_peak_bytes: GPU allocator peak, or peak RSS on CPU) "
+        "exceeds this many GiB (2^30 bytes) does not fit, though it trained: a budget, not an out-of-memory error. "
+        "Default: the device's memory on a GPU; none on CPU, where only an allocation failure or --max_micro ends "
+        "the search.",
+    )
+    parser.add_argument(
+        "--data_parallel",
+        type=int | None,
+        default=None,
+        help="Data-parallel size the accumulation is computed for (default: $WORLD_SIZE, else 1).",
+    )
+    parser.add_argument("--json_out", type=str | None, default=None, help="Also write the trials and answer as JSON.")
+    parser.add_class_arguments(RootConfig, nested_key=None, fail_untyped=True)
+    return parser
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="megagenome", description="Pretrain genomic (DNA) language models on DeepSpeed.")
     sub = parser.add_subcommands(dest="command")
@@ -206,6 +287,10 @@ def build_parser() -> ArgumentParser:
     )
     sub.add_subcommand("prepare", prepare_parser(), help="Genomes of a manifest -> memory-mapped token shards.")
     sub.add_subcommand("preflight", preflight_parser(), help="Check every rank's config, code, data and links.")
+    sub.add_subcommand("plan", plan_parser(), help="Predict memory and step time; recommend a configuration.")
+    sub.add_subcommand(
+        "find-micro-batch", find_micro_batch_parser(), help="Largest micro batch that fits, by training trials."
+    )
     sub.add_subcommand("hostfile", hostfile_parser(), help="Write or check a DeepSpeed hostfile.")
     sub.add_subcommand(
         "deepspeed-env", deepspeed_env_parser(), help="Write .deepspeed_env for DeepSpeed's multi-node launchers."
@@ -265,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_prepare(ns.prepare)
     if ns.command == "preflight":
         return run_preflight(ns.preflight, root_config(parser.instantiate(ns).preflight))
+    if ns.command == "plan":
+        return run_plan(ns.plan, root_config(parser.instantiate(ns).plan))
+    if ns.command == "find-micro-batch":
+        return find_micro_batch(ns["find-micro-batch"], root_config(parser.instantiate(ns)["find-micro-batch"]))
     if ns.command == "convert-checkpoint":
         return convert_checkpoint(ns["convert-checkpoint"])
     if ns.command == "hostfile":
@@ -288,6 +377,29 @@ def run_preflight(ns, cfg: RootConfig) -> int:
         print(f"{prog}: error: --iters={ns.iters}: must be positive", file=sys.stderr)
         return 2
     return preflight.run(cfg, sizes, iters=ns.iters, json_out=ns.json_out)
+
+
+def run_plan(ns, cfg: RootConfig) -> int:
+    from megagenome import plan
+    from megagenome.planner.timing import Cluster
+
+    cluster = Cluster(**{f.name: ns[f.name] for f in dataclasses.fields(Cluster)})
+    return plan.run(cfg, cluster, ns.global_batch, ns.precision, ns.grad_accum_dtype, as_json=ns.json)
+
+
+def find_micro_batch(ns, cfg: RootConfig) -> int:
+    from megagenome import tune
+
+    files = [str(p) for p in (ns.get("config") or []) if p is not None]
+    return tune.find_micro_batch(
+        cfg,
+        files,
+        max_micro=ns.max_micro,
+        steps=ns.steps,
+        memory_budget_gb=ns.memory_budget_gb,
+        data_parallel=ns.data_parallel,
+        json_out=ns.json_out,
+    )
 
 
 def convert_checkpoint(ns) -> int:

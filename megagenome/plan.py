@@ -1,0 +1,298 @@
+"""`megagenome plan`: predict per-GPU memory and step time before renting the GPUs (layer L4).
+
+From the run config (model, data.seq_len, train batch sizes and DeepSpeed JSON, parallel.tensor) and a cluster
+description it predicts, for every candidate (ZeRO stage 0-3 x offload x checkpointing none/selective/full x micro
+batch), the per-GPU memory by component and the step time split into compute and gradient communication; it
+recommends the cheapest candidate that fits and prints the predicted weak-scaling efficiency from 8 to 512 GPUs.
+The arithmetic lives in megagenome/planner/ (pure functions); this module reads the config and the shipped
+ds_configs/ fragments and prints. Nothing here starts a process group or touches a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from megagenome.config import RootConfig, d_ff, ds_config_files
+from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.metrics import peak_tflops
+from megagenome.model.transformer import padded_vocab_size
+from megagenome.planner.activations import ModelShape, n_params
+from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
+from megagenome.planner.states import DTYPE_BYTES, STATES, Precision
+from megagenome.planner.timing import Cluster
+from megagenome.train.engine import load_ds_json, merge_fragments, offload_devices
+
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+PROG = "megagenome plan"
+
+
+class PlanError(ValueError):
+    """A plan request that cannot be answered; each problem names its flag."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def shape_of(cfg: RootConfig) -> ModelShape:
+    m = cfg.model
+    return ModelShape(
+        d_model=m.d_model,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        d_ff=d_ff(m),
+        vocab_size=VOCAB_SIZE,
+        padded_vocab=padded_vocab_size(VOCAB_SIZE),
+        tie_embeddings=m.tie_embeddings,
+        max_seq_len=m.max_seq_len,
+        dropout=m.dropout,
+    )
+
+
+def _dtype(ds: dict) -> str:
+    return (
+        "fp16" if (ds.get("fp16") or {}).get("enabled") else "bf16" if (ds.get("bf16") or {}).get("enabled") else "fp32"
+    )
+
+
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+_DTYPE_NAMES.update({"fp16": "fp16", "float16": "fp16", "half": "fp16"})
+
+
+def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> list[str]:
+    problems = []
+    for flag in ("gpus", "gpus_per_node"):
+        if getattr(cluster, flag) < 1:
+            problems.append(f"--{flag}={getattr(cluster, flag)}: must be positive")
+    for flag in ("gpu_memory_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "cpu_adam_gparams_per_s"):
+        if not getattr(cluster, flag) > 0:
+            problems.append(f"--{flag}={getattr(cluster, flag)}: must be positive")
+    if not 0 < cluster.mfu <= 1:
+        problems.append(f"--mfu={cluster.mfu}: must be within (0, 1]")
+    if not 0 <= cluster.memory_margin < 1:
+        problems.append(f"--memory_margin={cluster.memory_margin}: must be within [0, 1)")
+    if cluster.latency_us < 0 or cluster.runtime_gb < 0 or cluster.cpu_memory_gb < 0:
+        problems.append("--latency_us, --runtime_gb and --cpu_memory_gb must be non-negative")
+    if cluster.peak_tflops is None and peak_tflops(cluster.gpu) is None:
+        problems.append(f"--gpu={cluster.gpu!r}: not in the peak table of megagenome/metrics.py; give --peak_tflops")
+    if cluster.peak_tflops is not None and not cluster.peak_tflops > 0:
+        problems.append(f"--peak_tflops={cluster.peak_tflops}: must be positive")
+    m, par = cfg.model, cfg.parallel
+    if m.d_model <= 0 or m.n_head <= 0 or m.n_layer <= 0 or m.d_model % m.n_head:
+        problems.append(f"--model.d_model={m.d_model} must be a positive multiple of --model.n_head={m.n_head}")
+    if cfg.data.seq_len <= 0 or cfg.data.seq_len > m.max_seq_len:
+        problems.append(f"--data.seq_len={cfg.data.seq_len}: must be within [1, --model.max_seq_len={m.max_seq_len}]")
+    for flag, value in (("parallel.pipeline", par.pipeline), ("parallel.sequence", par.sequence)):
+        if value != 1:
+            problems.append(f"--{flag}={value}: plan models data and tensor parallelism only (set it to 1)")
+    tp = par.tensor
+    if tp < 1 or cluster.gpus % tp or tp > cluster.gpus_per_node:
+        problems.append(
+            f"--parallel.tensor={tp}: must divide --gpus={cluster.gpus} and fit in a node (--gpus_per_node="
+            f"{cluster.gpus_per_node})"
+        )
+    elif global_batch is not None and (global_batch < 1 or global_batch % (cluster.gpus // tp)):
+        problems.append(
+            f"--global_batch={global_batch}: must be a positive multiple of the data-parallel size "
+            f"{cluster.gpus // tp} (--gpus / --parallel.tensor)"
+        )
+    return problems
+
+
+def _fragments(stage: int, offload: bool) -> tuple[str, dict]:
+    """The shipped ZeRO fragment of a candidate and its zero_optimization knobs ({} when not shipped here)."""
+    name = f"zero{stage}_offload.json" if offload else f"zero{stage}.json"
+    path = os.path.join(SHIPPED, name)
+    zero = load_ds_json(path).get("zero_optimization", {}) if os.path.exists(path) else {}
+    return f"ds_configs/{name}", {k: v for k, v in zero.items() if not isinstance(v, dict)}
+
+
+def _precision_fragment(prec: Precision, stage: int) -> str | None:
+    if prec.weights == "fp32":
+        return None
+    if prec.weights == "fp16":
+        return "ds_configs/fp16.json"
+    if prec.grad_accum == "fp32" and stage > 0:
+        return "ds_configs/bf16.json"
+    return '{"bf16": {"enabled": true}} (a JSON fragment of your own; ZeRO-0 accumulates in bf16 only)'
+
+
+def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, grad_accum_dtype=None) -> dict:
+    """Everything `megagenome plan` prints, as one JSON-ready dict. Raises PlanError naming the flags."""
+    problems = _problems(cfg, cluster, global_batch)
+    files = ds_config_files(cfg.train)
+    ds, _, merge_problems = merge_fragments(files)
+    problems += merge_problems
+    if problems:
+        raise PlanError(problems)
+    tp = cfg.parallel.tensor
+    dp = cluster.gpus // tp
+    if global_batch is None:
+        global_batch = cfg.train.global_batch_size or cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dp
+        if global_batch % dp:
+            raise PlanError(
+                [f"--train.global_batch_size={global_batch} is not a multiple of the data-parallel size {dp}"]
+            )
+    weights = precision or _dtype(ds)
+    accum_name = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    grad_accum = grad_accum_dtype or _DTYPE_NAMES.get(str(accum_name).lower(), weights)
+    comm_name = _DTYPE_NAMES.get(str(ds.get("communication_data_type")).lower())
+    prec = Precision(weights, grad_accum)
+    peak = cluster.peak_tflops or peak_tflops(cluster.gpu)
+    zero = {(s, o): _fragments(s, o)[1] for s in range(4) for o in (False, True) if not (o and s < 2)}
+    setup = Setup(
+        shape=shape_of(cfg),
+        seq=cfg.data.seq_len,
+        global_batch=global_batch,
+        precision=prec,
+        cluster=cluster,
+        peak_tflops=peak,
+        tp=tp,
+        zero=zero,
+        comm_bytes=DTYPE_BYTES[comm_name] if comm_name else None,
+    )
+    candidates = grid(setup)
+    rows = [evaluate(setup, c) for c in candidates]
+    best = recommend(rows)
+    notes = []
+    if prec.grad_accum != prec.weights:
+        notes.append(
+            f"ZeRO-0 left out: DeepSpeed accumulates gradients only in the weights' dtype ({prec.weights}) at stage 0, "
+            f"and the config accumulates in {prec.grad_accum}; pass --grad_accum_dtype {prec.weights} to include it"
+        )
+    yours = _your_config(setup, cfg, ds, dp)
+    out = {
+        "model": {**dataclasses.asdict(setup.shape), "parameters": n_params(setup.shape), "seq_len": setup.seq},
+        "cluster": {**dataclasses.asdict(cluster), "peak_tflops": peak, "tensor_parallel": tp, "data_parallel": dp},
+        "global_batch": global_batch,
+        "precision": {"weights": prec.weights, "grad_accum": prec.grad_accum},
+        "ds_config": files,
+        "candidates": rows,
+        "notes": notes,
+        "your_config": yours,
+        "recommendation": None,
+        "scaling": [],
+    }
+    if best is not None:
+        stage, offload = best["stage"], best["offload"] != "none"
+        fragments = [_fragments(stage, offload)[0]]
+        fragments += [f for f in [_precision_fragment(prec, stage)] if f]
+        if best["checkpointing"] != "none":
+            fragments.append("ds_configs/activation_checkpointing.json (optional: DeepSpeed's recompute)")
+        out["recommendation"] = {
+            **best,
+            "ds_config": fragments,
+            "flags": [
+                f"--model.checkpointing {best['checkpointing']}",
+                f"--train.micro_batch_size {best['micro_batch']}",
+                f"--train.grad_accum_steps {best['grad_accum']}",
+            ],
+        }
+        cand = Candidate(stage, offload, best["checkpointing"], best["micro_batch"])
+        out["scaling"] = scaling(setup, cand)
+        stages = sorted({c.stage for c in candidates})
+        by_stage = {s: scaling(setup, Candidate(s, False, best["checkpointing"], best["micro_batch"])) for s in stages}
+        for i, row in enumerate(out["scaling"]):
+            row["efficiency_by_stage"] = {str(s): by_stage[s][i]["efficiency"] for s in stages}
+    return out
+
+
+def _your_config(setup: Setup, cfg: RootConfig, ds: dict, dp: int) -> dict | None:
+    """The run config as given, with its own DeepSpeed knobs (None when its micro batch does not fit the batch)."""
+    micro = cfg.train.micro_batch_size
+    if micro < 1 or (setup.global_batch // dp) % micro:
+        return None
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    offload = bool(offload_devices(ds))
+    if offload and stage < 2:
+        return None
+    knobs = {k: v for k, v in zero.items() if not isinstance(v, dict)}
+    own = dataclasses.replace(setup, zero={**setup.zero, (stage, offload): knobs})
+    cand = Candidate(stage, offload, cfg.model.checkpointing, micro, cfg.model.checkpoint_every)
+    return evaluate(own, cand)
+
+
+def _row_text(r: dict) -> str:
+    mem = r["memory_gib"]
+    parts = " ".join(f"{mem[k]:6.2f}" for k in (*STATES, "activations", "buffers", "total"))
+    fits = "yes" if r["fits"] else ("no (host)" if r["fits_gpu"] else "no")
+    return (
+        f"{r['stage']:>5} {r['offload']:>7} {r['checkpointing']:>9} {r['micro_batch']:>5} {r['grad_accum']:>5} | "
+        f"{parts} | {r['step_s']:8.3f} {r['compute_s']:8.3f} {r['dp_comm_exposed_s'] + r['tensor_comm_s']:7.3f} "
+        f"{r['offload_s']:7.3f} {r['tokens_per_s_per_gpu']:12,.0f}  {fits}"
+    )
+
+
+def render(plan: dict) -> str:
+    m, c, p = plan["model"], plan["cluster"], plan["precision"]
+    budget = c["gpu_memory_gb"] * (1 - c["memory_margin"])
+    lines = [
+        f"model: {m['parameters']:,} parameters (d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "
+        f"d_ff {m['d_ff']}), seq_len {m['seq_len']}, global batch {plan['global_batch']} sequences "
+        f"({plan['global_batch'] * m['seq_len']:,} tokens)",
+        f"cluster: {c['gpus']} x {c['gpu']} ({c['gpu_memory_gb']:g} GiB, {c['peak_tflops']:g} TFLOP/s peak, assumed "
+        f"MFU {c['mfu']:g}), {c['gpus_per_node']} per node; all-reduce bus bandwidth {c['intra_node_gbps']:g} GB/s "
+        f"in a node, {c['inter_node_gbps']:g} GB/s across nodes; tensor x data parallel = "
+        f"{c['tensor_parallel']} x {c['data_parallel']}",
+        f"precision: {p['weights']} weights, {p['grad_accum']} gradient accumulation (from "
+        f"{', '.join(plan['ds_config'])} unless overridden)",
+        "assumptions: gradient reduce-scatter hidden behind backward where overlap_comm is true (stages 2-3 as "
+        "shipped), stage 0-1 reductions and all-gathers exposed; flash attention (no s x s scores); memory budget "
+        f"{budget:.1f} GiB per GPU ({c['memory_margin']:.0%} kept for fragmentation; runtime {c['runtime_gb']:g} GiB "
+        "included in totals)",
+        "",
+        "Per-GPU memory (GiB) and predicted step time (s) per candidate; comm = exposed gradient + tensor-parallel "
+        "communication",
+        "stage offload      ckpt micro accum | params  grads master   adam activ buffer  total |     step  compute"
+        "    comm offload  tokens/s/GPU  fits",
+    ]
+    lines += [_row_text(r) for r in plan["candidates"]]
+    lines += [f"note: {n}" for n in plan["notes"]]
+    if plan["your_config"] is not None:
+        lines += ["", "your config:", _row_text(plan["your_config"])]
+    rec = plan["recommendation"]
+    lines.append("")
+    if rec is None:
+        lines.append("recommendation: nothing fits; add GPUs, shorten --data.seq_len or raise --parallel.tensor")
+        return "\n".join(lines) + "\n"
+    lines += [
+        f"recommendation: ZeRO-{rec['stage']}, offload {rec['offload']}, checkpointing {rec['checkpointing']}, micro "
+        f"batch {rec['micro_batch']} x {rec['grad_accum']} accumulation: {rec['memory_gib']['total']:.1f} GiB per "
+        f"GPU, {rec['step_s']:.3f} s per step ({rec['compute_s']:.3f} compute, "
+        f"{rec['step_s'] - rec['compute_s']:.3f} communication/offload), {rec['tokens_per_s']:,.0f} tokens/s",
+        f"  --train.ds_config '[{', '.join(f for f in rec['ds_config'] if ' ' not in f)}]' " + " ".join(rec["flags"]),
+        *[f"  note: {f}" for f in rec["ds_config"] if " " in f],
+        f"  model states {rec['model_states_gib']:.2f} GiB per GPU as DeepSpeed 0.19.8 holds them; the ZeRO paper's "
+        f"formula gives {rec['paper_model_states_gib']:.2f} GiB",
+        "",
+        f"Predicted weak scaling of the recommendation (micro batch {rec['micro_batch']} x {rec['grad_accum']} fixed, "
+        "global batch grows with the GPUs): efficiency = step time at the first size / step time at N",
+        "  GPUs  global batch   step s  compute s  comm exposed s  efficiency   ZeRO-0  ZeRO-1  ZeRO-2  ZeRO-3",
+    ]
+    for r in plan["scaling"]:
+        by_stage = r["efficiency_by_stage"]
+        stages = "  ".join(f"{by_stage[str(s)]:6.1%}" if str(s) in by_stage else f"{'-':>6}" for s in range(4))
+        lines.append(
+            f"  {r['gpus']:>4} {r['global_batch']:>13} {r['step_s']:8.3f} {r['compute_s']:10.3f} "
+            f"{r['comm_exposed_s']:15.3f} {r['efficiency']:11.1%}  {stages}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, grad_accum_dtype=None, as_json=False):
+    """Print the plan; 0 on success, 2 on a bad request (each problem on stderr, naming its flag)."""
+    try:
+        plan = build(cfg, cluster, global_batch, precision, grad_accum_dtype)
+    except PlanError as e:
+        for problem in e.problems:
+            print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
+    if as_json:
+        sys.stdout.write(json.dumps(plan, indent=1) + "\n")
+    else:
+        sys.stdout.write(render(plan))
+    return 0
