@@ -29,8 +29,10 @@ setup(
         # flash-attn compiles against the local CUDA toolkit; install it on GPU machines only.
         "gpu": ["flash-attn==2.8.3.post2"],
         "dev": ["pytest==9.2.0", "ruff==0.17.6"],
-        # benchmarks/memory_sweep.py draws its PNG with matplotlib; nothing else imports it.
-        "bench": ["matplotlib==3.10.9"],
+        # benchmarks/memory_sweep.py and benchmarks/sweep.py draw their PNGs with matplotlib; nothing else imports it.
+        # transformers and accelerate are the Hugging Face Trainer peer of benchmarks/peers.py only: the package
+        # never imports them.
+        "bench": ["matplotlib==3.10.9", "transformers==5.24.0", "accelerate==1.15.0"],
     },
     entry_points={"console_scripts": ["megagenome=megagenome.cli:main"]},
 )

@@ -28,3 +28,19 @@ def software() -> str:
     import torch
 
     return f"python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}"
+
+
+def run_in_session(cmd: list[str], cwd, env: dict, log_path, timeout_s: float) -> int:
+    """Run a launcher command in a session of its own, output to log_path; on timeout kill the whole session (every
+    rank the launcher started) and return the exit code as the process reports it."""
+    import os
+    import signal
+    import subprocess
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
