@@ -146,7 +146,7 @@ def load_manifest(path: str) -> ManifestConfig:
         keys = _QUOTED_KEY.findall(str(e))
         line = _line_of_key(path, keys[-1]) if keys else None
         raise ValueError(f"{path}{f':{line}' if line else ''}: {message}") from e
-    return ManifestConfig(**vars(parser.instantiate_classes(ns)))
+    return ManifestConfig(**vars(parser.instantiate(ns)))
 
 
 def _line_of_key(path: str, key: str) -> int | None:

@@ -134,16 +134,41 @@ class GenomeData:
     # ----- batches --------------------------------------------------------------------------------------------
 
     def train_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """Training batch of the given global sample indices: reverse complement with prob rc_prob."""
+        """Training batch of the given global sample indices: reverse complement with prob rc_prob.
+
+        Built as one (B, W) array: reverse complement, loss weights and the clm shift run once per batch, and a
+        per-sample generator is seeded only where it is drawn from (the reverse-complement coin when 0 < rc_prob
+        < 1, the masking stream for mlm); the batches are the same as sample by sample (benchmarks/loader.py).
+        """
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-        samples = []
-        for index, region in zip(indices.tolist(), self.train_sampler.windows(indices)):
+        if indices.size == 0:
+            raise ValueError("a batch needs at least one sample")
+        regions = self.train_sampler.windows(indices)
+        tokens = np.empty((indices.size, self.window_len), dtype=np.uint8)  # (B, W)
+        soft = np.empty((indices.size, self.window_len), dtype=bool)  # (B, W)
+        for row, region in enumerate(regions):
             self.trained_contigs.add(region.contig)
-            tokens, soft = self._tokens(region)
-            if np.random.default_rng([self.cfg.seed, RNG_RC, index]).random() < self.cfg.rc_prob:
-                tokens, soft = reverse_complement(tokens), soft[::-1]
-            rng = np.random.default_rng([self.cfg.seed, RNG_MASK, index])
-            samples.append(self._sample(tokens, soft, self.cfg.softmask_weight, rng))
+            tokens[row], soft[row] = self._tokens(region)
+        p = self.cfg.rc_prob
+        if 0.0 < p < 1.0:
+            flip = np.array([np.random.default_rng([self.cfg.seed, RNG_RC, i]).random() < p for i in indices.tolist()])
+        else:  # the coin's outcome is certain: no generator to seed
+            flip = np.full(indices.size, p >= 1.0)
+        if flip.any():
+            tokens[flip] = reverse_complement(tokens[flip])
+            soft[flip] = soft[flip][:, ::-1]
+        if self.objective == "clm":
+            weight = np.where(soft, np.float32(self.cfg.softmask_weight), np.float32(1.0)).astype(np.float32)
+            weight[(tokens == N_ID) | (tokens == SEP_ID)] = 0.0  # (B, W)
+            return {
+                "input_ids": torch.from_numpy(tokens[:, :-1].astype(np.int64)),  # (B, T)
+                "labels": torch.from_numpy(tokens[:, 1:].astype(np.int64)),  # (B, T)
+                "loss_weight": torch.from_numpy(np.ascontiguousarray(weight[:, 1:])),  # (B, T)
+            }
+        samples = [
+            self._sample(t, s, self.cfg.softmask_weight, np.random.default_rng([self.cfg.seed, RNG_MASK, i]))
+            for t, s, i in zip(tokens, soft, indices.tolist())
+        ]
         return _collate(samples)
 
     def eval_batch(self, regions: Sequence[Region]) -> dict[str, torch.Tensor]:
