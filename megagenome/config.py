@@ -166,6 +166,8 @@ def validate_manifest(m: ManifestConfig) -> list[str]:
         where = f"sources[{i}]" + (f" ({src.name})" if src.name else "")
         if not _SOURCE_NAME.match(src.name):
             problems.append(f"{where}.name={src.name!r}: give a name of letters, digits, '.', '_' or '-'")
+        elif re.search(r"\.hap\d+$", src.name):
+            problems.append(f"{where}.name={src.name!r}: names ending in .hapN are kept for a VCF's haplotype shards")
         elif src.name in seen:
             problems.append(f"{where}.name: {src.name!r} is used by two sources")
         seen.add(src.name)
@@ -245,9 +247,9 @@ class TrainConfig:
     num_threads: int | None = None
     """Torch CPU threads per rank; default: CPU cores divided by ranks on this node."""
     hang_timeout_s: float = 1800.0
-    """Hang watchdog: a rank that completes no training step for this many seconds (evaluation and checkpoint saving
-    between steps included) dumps every thread's Python stack to stderr and <run dir>/hang_rank<R>.txt and exits with
-    code 86. The clock starts at the first step. 0 disables it."""
+    """Hang watchdog: a rank that completes no training step for this many seconds dumps every thread's Python stack
+    to stderr and <run dir>/hang_rank<R>.txt and exits with code 86. The clock starts at the first step and stops
+    during evaluation and checkpoint saving. 0 disables it."""
 
 
 @dataclass

@@ -7,7 +7,8 @@ Run it under the same launcher, with the same config and flags, as the training 
 Every rank reports its host, rank, local rank and device, the SHA-256 of the config it resolved (the whole
 config: every rank must train the same run), the code version (git commit, plus a hash of the package's
 source files so that an edited or differently installed copy shows), and the SHA-256 of the training data
-(the FASTA file as this rank reads it). The run directory must be one filesystem, shared and writable by all
+(the FASTA file as this rank reads it, or a prepared directory's manifest.json, which holds the SHA-256 of every
+shard). The run directory must be one filesystem, shared and writable by all
 ranks: each rank writes a file under <run dir>/.preflight/ and reads every other rank's file back. Then
 all-reduces of several sizes are timed (median of --iters, slowest rank) and reported as bus bandwidth in the
 nccl-tests convention: algorithm bandwidth (bytes / time) x 2 (n - 1) / n, the rate each rank's link moves data
@@ -81,8 +82,10 @@ def config_sha256(cfg: RootConfig) -> str:
 
 def rank_report(cfg: RootConfig, rank: int, local_rank: int, world_size: int) -> dict:
     """What this rank resolved: the facts every rank must agree on, and where it runs."""
+    # Prepared data: its manifest.json holds the SHA-256 of every shard and of the index.
+    source = os.path.join(cfg.data.prepared, "manifest.json") if cfg.data.prepared else cfg.data.fasta
     try:
-        data = sha256_file(cfg.data.fasta)
+        data = sha256_file(source)
     except OSError as e:
         data = f"unreadable: {e.strerror or e}"
     return {

@@ -19,6 +19,7 @@ moved to the haplotype's coordinates (variants.lift_position) before the split i
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -105,9 +106,12 @@ def _complete(out: str, name: str, inputs: dict[str, str], spec: str) -> dict | 
     entry_path = os.path.join(out, layout.SHARDS, f"{name}.json")
     if not os.path.exists(entry_path):
         return None
-    with open(entry_path, encoding="utf-8") as fh:
-        entry = json.load(fh)
-    shard = os.path.join(out, layout.SHARDS, entry["shard"])
+    try:
+        with open(entry_path, encoding="utf-8") as fh:
+            entry = json.load(fh)
+        shard = os.path.join(out, layout.SHARDS, entry["shard"])
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable or foreign: prepare the unit again
+        return None
     if entry.get("inputs") != inputs or entry.get("spec_sha256") != spec or not os.path.exists(shard):
         return None
     return entry if sha256_file(shard) == entry["sha256"] else None
@@ -242,6 +246,9 @@ def run(manifest: ManifestConfig, manifest_path: str, out: str, workers: int = 1
     check(manifest, manifest_path)
     os.makedirs(os.path.join(out, layout.SHARDS), exist_ok=True)
     _clean_temporaries(out)
+    for name in (layout.INDEX, layout.MANIFEST):  # from here until the end, training refuses the directory
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, name))
     entries: list[dict] = []
     bar = tqdm(total=len(manifest.sources), unit="source", desc="prepare", disable=not progress)
     if workers <= 1 or len(manifest.sources) == 1:

@@ -138,11 +138,20 @@ def prepare(cfg: RootConfig, config_files: list[str], world_size: int) -> Prepar
     if resume_from is not None and not bad_layout:
         global_batch = batch_sizes(cfg.train, dp_size)[2]
         problems += checkpoint.resume_problems(resume_from, layout, cfg.checkpoint.universal, global_batch)
-        saved_dp = (checkpoint.read_info(resume_from).get("layout") or {}).get("data_parallel", dp_size)
+        info = checkpoint.read_info(resume_from)
+        saved_dp = (info.get("layout") or {}).get("data_parallel", dp_size)
         if cfg.data.group_aware and saved_dp != dp_size:
             problems.append(
                 f"--data.group_aware: checkpoint {resume_from} was trained with {saved_dp} data-parallel ranks, this "
                 f"run has {dp_size}; groups are assigned to ranks by their number, so resume with {saved_dp}"
+            )
+        micro = batch_sizes(cfg.train, dp_size)[0]
+        saved_micro = info.get("micro_batch", micro)
+        if cfg.data.group_aware and saved_micro != micro:
+            problems.append(
+                f"--data.group_aware: checkpoint {resume_from} was trained with --train.micro_batch_size="
+                f"{saved_micro}, this run has {micro}; group-aware samples go to ranks in blocks of one micro batch, "
+                f"so keep {saved_micro}"
             )
     elif cfg.checkpoint.universal and resume_from is None:
         problems.append(
@@ -311,13 +320,18 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     def reduce_eval(values: list[float]) -> list[float]:
         return [v / par.tensor for v in ds.all_reduce_sum(values)]  # tensor-parallel ranks hold replicated sums
 
+    watchdog = Watchdog(cfg.train.hang_timeout_s, rank, run_dir)  # started just before fit(); exits on a hang
+
     def run_eval() -> dict:
         batches = (shard_batch(b, sp_rank, par.sequence) for b in _eval_batches(data, dp_rank, prep.dp_size, micro))
-        return evaluate(engine, batches, reduce_eval, to_device, sums=eval_sums)
+        with watchdog.paused():
+            return evaluate(engine, batches, reduce_eval, to_device, sums=eval_sums)
 
     def save(step: int) -> None:
         state = {"step": step, "samples_consumed": step * global_batch, "config_hash": chash, "world_size": world_size}
-        checkpoint.save(engine, ckpt_root, step, state, rank, cfg.checkpoint.keep_last, ds.barrier, prep.layout)
+        state["micro_batch"] = micro  # group-aware sampling maps samples to ranks in micro-batch blocks
+        with watchdog.paused():
+            checkpoint.save(engine, ckpt_root, step, state, rank, cfg.checkpoint.keep_last, ds.barrier, prep.layout)
 
     plan = LoopPlan(
         start_step=start_step,
@@ -364,7 +378,7 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
         train_step = pipeline.train_step(engine, train_batch, to_device, accum, on_gradients=probe)
     else:  # engine(**batch), backward, step per micro batch
         train_step = forward_backward_step(engine, train_batch, to_device, accum, on_gradients=probe)
-    watchdog = Watchdog(cfg.train.hang_timeout_s, rank, run_dir).start()  # exits the process on a hang
+    watchdog.start()
     try:
         result = fit(
             engine,

@@ -217,6 +217,7 @@ def test_interrupted_prepare_resumes_to_identical_shards(inputs, tmp_path):
         ({"vcf": "mtDNA_H100_vs_rCRS.vcf"}, {}, r"MT.*contig_map"),
         ({"fasta": "missing.fa"}, {}, r"sources\[0\] \(bad\)\.fasta: no such file"),
         ({"weight": 0}, {}, r"sources\[0\] \(bad\)\.weight=0.*must be positive"),
+        ({"name": "x.hap0"}, {}, r"names ending in \.hapN are kept for a VCF's haplotype shards"),
     ],
 )
 def test_bad_manifests_exit_2_naming_the_problem(inputs, tmp_path, source, top, message):

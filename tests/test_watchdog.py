@@ -90,3 +90,16 @@ def test_a_hung_rank_stops_the_whole_launch(tmp_path):
     assert max(steps) == 3, steps
     assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists()
     print(f"hung launch stopped after {wall:.0f} s (timeout 5 s); rc {proc.returncode}")
+
+
+def test_evaluation_and_saving_do_not_count(tmp_path):
+    """pretrain.py runs evaluation and checkpoint saves under paused(): a long save is not a hang."""
+    exited = Exited()
+    dog = Watchdog(0.3, rank=0, dump_dir=str(tmp_path), exit=exited).start()
+    dog.wrap(lambda i: None)(0)
+    with dog.paused():
+        time.sleep(1.0)  # over three timeouts
+    assert exited == []
+    time.sleep(1.0)  # the clock runs again after the body: no step completes now
+    assert exited == [HANG_EXIT]
+    dog.stop()

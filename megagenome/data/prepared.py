@@ -118,12 +118,12 @@ class ShardStore:
 
     def tokens(self, region: Region) -> tuple[np.ndarray, np.ndarray]:
         """(token ids uint8, soft-mask bool) of a region, copied out of the shard."""
+        if not 0 <= region.start <= region.end <= self.lengths[region.contig]:
+            raise ValueError(f"{region} is outside {region.contig} (length {self.lengths[region.contig]})")
         packed = self._packed.get(region.contig)
         if packed is not None:
             return self._packed_tokens(packed, region.start, region.end)
         data, offset = self._where[region.contig]
-        if not 0 <= region.start <= region.end <= self.lengths[region.contig]:
-            raise ValueError(f"{region} is outside {region.contig} (length {self.lengths[region.contig]})")
         return unpack_bytes(np.array(data[offset + region.start : offset + region.end]))
 
     def _packed_tokens(self, packed: _Packed, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:

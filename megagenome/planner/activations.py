@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megagenome import metrics
+
 POLICIES = ("none", "selective", "every_k", "full")
 KERNELS = ("flash", "math")
 
@@ -209,11 +211,18 @@ def activation_bytes(
     }
 
 
-def recompute_flops_per_token(shape: ModelShape, seq: int, policy: str) -> float:
-    """Extra FLOPs per token that recomputation adds (forward of the recomputed part): full and every_k rerun every
-    block's forward (2 x block parameters + 4*d*s for the attention scores), selective reruns the attention core."""
-    if policy in ("full", "every_k"):
-        return shape.n_layer * (2.0 * block_params(shape) + 4.0 * shape.d_model * seq)
-    if policy == "selective":
-        return shape.n_layer * 4.0 * shape.d_model * seq
-    return 0.0
+def recompute_flops_per_token(shape: ModelShape, seq: int, policy: str, early_stop: bool = True) -> float:
+    """Extra FLOPs per token that recomputation adds: metrics.recompute_flops_per_token (the one formula, also
+    behind every run's HFU) for this shape; early_stop: torch's checkpoint (the default without an
+    activation_checkpointing block in the DeepSpeed JSON) skips the last w_down of each segment."""
+    return metrics.recompute_flops_per_token(
+        n_params(shape),
+        shape.n_layer,
+        shape.d_model,
+        seq,
+        policy,
+        metrics.block_parameters(shape.d_model, shape.d_ff),
+        d_ff=shape.d_ff,
+        early_stop=early_stop,
+        dropout=shape.dropout,
+    )

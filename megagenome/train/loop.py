@@ -263,13 +263,15 @@ def fit(
                 bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
                 window_loss, window_steps, window_time = 0.0, 0, 0.0
             bar.update(1)
+            if preempted:  # the checkpoint first: a scheduler's grace time may not cover an evaluation too
+                save_checkpoint(done)
             eval_due = (plan.eval_interval and done % plan.eval_interval == 0) or done == plan.max_steps
             if eval_due:
                 last_eval = {"step": done, "split": "val", **run_eval()}
                 writer.write(last_eval)
                 if plan.rank == 0:
                     bar.write(f"step {done}: held-out {last_eval['bits_per_base']:.4f} bits/base")
-            if (plan.ckpt_interval and done % plan.ckpt_interval == 0) or last or preempted:
+            if ((plan.ckpt_interval and done % plan.ckpt_interval == 0) or last) and not preempted:
                 save_checkpoint(done)
             if preempted:
                 raise Preempted(

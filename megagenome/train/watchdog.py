@@ -9,12 +9,13 @@ through os._exit, since a thread blocked in a collective cannot be unwound; the 
 untouched (checkpoints are written under a temporary name and marked complete only when whole).
 
 The clock starts when the first step begins, so start-up (data indexing, engine build) does not count; it
-restarts at every completed step. Evaluation and checkpoint saving between steps count, so the timeout must
-exceed the longest of those plus one step.
+restarts at every completed step. Evaluation and checkpoint saving run `paused()` (pretrain.py), so a long save to
+a slow filesystem does not count either: the timeout bounds one training step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -45,6 +46,16 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evaluation and checkpoint saving inside the body do not count: the clock stops, then restarts."""
+        last, self._last = self._last, None
+        try:
+            yield
+        finally:
+            if last is not None:
+                self.beat(self._step)
 
     def wrap(self, step_fn: Callable[[int], tuple]) -> Callable[[int], tuple]:
         """step_fn(step) with the clock started before the first call and restarted after each one returns."""
