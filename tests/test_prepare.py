@@ -183,13 +183,15 @@ def test_same_bytes_with_one_or_two_workers(inputs, tmp_path):
 
 
 def test_interrupted_prepare_resumes_to_identical_shards(inputs, tmp_path):
-    manifest = write_manifest(inputs / "three.yaml", three_sources())
+    # phiX first: its shard is done in milliseconds, and the yeast genome after it (~1 s) leaves time to interrupt.
+    sources = three_sources()
+    manifest = write_manifest(inputs / "interrupt.yaml", [sources[1], sources[0], sources[2]])
     clean = tmp_path / "clean"
     assert prepare(manifest, clean).returncode == 0
     out = tmp_path / "interrupted"
     cmd = [PYTHON, "-m", "megagenome", "prepare", "--manifest", manifest, "--out", str(out), "--progress", "false"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    first = out / "shards" / "yeast.json"
+    first = out / "shards" / "phix.json"
     deadline = time.monotonic() + 120
     while not first.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "prepare ended before it could be interrupted"
@@ -199,9 +201,9 @@ def test_interrupted_prepare_resumes_to_identical_shards(inputs, tmp_path):
     assert not (out / "index.json").exists()  # not finished: training refuses the directory
     with pytest.raises(prepared.PreparedDataError, match="did not finish"):
         prepared.read_index(str(out))
-    kept = first.stat().st_mtime_ns, (out / "shards" / "yeast.bin").stat().st_mtime_ns
+    kept = first.stat().st_mtime_ns, (out / "shards" / "phix.bin").stat().st_mtime_ns
     assert prepare(manifest, out).returncode == 0
-    assert (first.stat().st_mtime_ns, (out / "shards" / "yeast.bin").stat().st_mtime_ns) == kept  # skipped
+    assert (first.stat().st_mtime_ns, (out / "shards" / "phix.bin").stat().st_mtime_ns) == kept  # skipped
     names = sorted(os.listdir(clean / "shards"))
     assert sorted(os.listdir(out / "shards")) == names  # no temporary file left behind
     for name in names:
