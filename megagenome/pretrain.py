@@ -27,6 +27,7 @@ from megagenome.config import (
     config_hash,
     d_ff,
     ds_config_files,
+    signal_number,
     to_dict,
     validate,
     yaml_line,
@@ -54,6 +55,7 @@ from megagenome.train import checkpoint, memory
 from megagenome.train import engine as ds
 from megagenome.train.loop import (
     LoopPlan,
+    StopRequest,
     TokenCounter,
     TrainingStopped,
     evaluate,
@@ -215,8 +217,27 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     """Validate, launch the engine, train, evaluate and summarise. Returns the summary dict (rank 0).
 
     keep_process_group leaves the process group up for another run in the same processes (tests and
-    benchmarks that run many short configurations); the CLI always tears it down.
+    benchmarks that run many short configurations); the CLI always tears it down. The checkpoint signal is
+    watched from here on: one that arrives during start-up (data indexing, engine build, loading a checkpoint)
+    stops the run after its first step, with a checkpoint, instead of being lost.
     """
+    stop = StopRequest(cfg.checkpoint.signal) if validate_signal(cfg) else None
+    try:
+        return _run(cfg, config_files, keep_process_group, stop)
+    finally:
+        if stop is not None:
+            stop.close()
+
+
+def validate_signal(cfg: RootConfig) -> bool:
+    """Whether --checkpoint.signal names a signal that can be watched (validate() reports it otherwise)."""
+    try:
+        return signal_number(cfg.checkpoint.signal) is not None
+    except ValueError:
+        return False
+
+
+def _run(cfg: RootConfig, config_files: list[str], keep_process_group: bool, stop) -> dict:
     started = time.time()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     prep = prepare(cfg, config_files, world_size)
@@ -391,6 +412,7 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
             to_device,
             progress=cfg.log.progress,
             train_step=watchdog.wrap(train_step),
+            stop=stop,
         )
     except TrainingStopped:  # every rank stopped after the same step, its checkpoint saved: tear down as at the end
         data.close()

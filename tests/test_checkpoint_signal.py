@@ -23,7 +23,7 @@ from test_loop import plan as loop_plan
 
 from megagenome.config import RootConfig, signal_number, validate
 from megagenome.metrics import MetricsWriter, read_metrics
-from megagenome.train.loop import PREEMPTED_EXIT, Preempted, TrainingStopped, fit
+from megagenome.train.loop import PREEMPTED_EXIT, Preempted, StopRequest, TrainingStopped, fit
 
 
 class FakeEngine(StandInEngine):
@@ -210,3 +210,30 @@ def test_signal_to_one_rank_checkpoints_and_resume_equals_uninterrupted(run_conf
     assert sorted(found) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
         assert found[s] == pytest.approx(expected[s], abs=1e-6, rel=0), s
+
+
+def test_a_signal_during_start_up_stops_after_the_first_step(tmp_path):
+    """pretrain.run installs its StopRequest before data and engine are built and passes it to fit(): a signal then
+    is acted on at the first step boundary, and fit() leaves the caller's handler to the caller."""
+    stop = StopRequest("SIGUSR1")
+    try:
+        send_usr1()  # arrives before the first step
+        saved = []
+        with pytest.raises(Preempted) as caught:
+            writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
+            fit(
+                FakeEngine(),
+                plan(),
+                train_batch=lambda step, micro: {},
+                run_eval=lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
+                save_checkpoint=saved.append,
+                writer=writer,
+                reduce_sum=lambda v: v,
+                to_device=lambda b: b,
+                progress=False,
+                stop=stop,
+            )
+        assert caught.value.step == 1 and saved == [1]
+        assert signal.getsignal(signal.SIGUSR1) == stop._handle  # still the caller's
+    finally:
+        stop.close()

@@ -5,10 +5,11 @@ pipeline engine, the step and eval functions pretrain.py passes in: parallel/pip
 module, and gets batches, collectives and checkpoint saving as plain callables, so the
 same loop serves any data source and any parallel layout.
 
-Stopping for a requeue: while fit() runs, the checkpoint signal (LoopPlan.stop_signal, SIGUSR1 by default) only
-sets a flag. After every step the flag is summed over all ranks, since a scheduler may signal some ranks and not
-others (or at different moments); once any rank has it, every rank stops after that same step, a checkpoint of
-it is saved, and Preempted is raised: the command line exits with PREEMPTED_EXIT and the job script requeues.
+Stopping for a requeue: while fit() runs (from the start of pretrain.run, which passes its StopRequest in), the
+checkpoint signal (LoopPlan.stop_signal, SIGUSR1 by default) only sets a flag. After every step the flag is summed
+over all ranks, since a scheduler may signal some ranks and not others (or at different moments); once any rank
+has it, every rank stops after that same step, a checkpoint of it is saved, and Preempted is raised: the command
+line exits with PREEMPTED_EXIT and the job script requeues.
 
 Accounting (one row per logging window, metrics.py for the FLOP formulas): tokens counts every position of every
 window trained (padding and N included) and is cumulative; window_tokens is that count for the window and
@@ -177,6 +178,7 @@ def fit(
     progress: bool,
     on_gradients: Callable[[int], None] | None = None,
     train_step: StepFn | None = None,
+    stop: StopRequest | None = None,
 ) -> dict:
     """Train from plan.start_step to plan.max_steps; returns the last logged train row and eval row.
 
@@ -212,7 +214,8 @@ def fit(
     # Throughput counts only time spent in training steps, not evaluation or checkpoint saving.
     window_loss, window_steps, window_time = 0.0, 0, 0.0
     engine.train()
-    stop = StopRequest(plan.stop_signal)
+    own_stop = stop is None  # pretrain.py passes one it installed at start-up, so a signal then is not lost
+    stop = StopRequest(plan.stop_signal) if own_stop else stop
     try:
         for step in range(plan.start_step, plan.stop_at):
             started = time.perf_counter()
@@ -281,7 +284,8 @@ def fit(
                     step=done,
                 )
     finally:
-        stop.close()
+        if own_stop:
+            stop.close()
         bar.close()
     return {"train": last_train, "eval": last_eval}
 
