@@ -122,7 +122,13 @@ def prepare_parser() -> ArgumentParser:
     )
     parser.add_argument("--manifest", type=str, required=True, help="Data manifest (YAML): sources, max_n_run.")
     parser.add_argument("--out", type=str, required=True, help="Output directory (created; reruns resume in it).")
-    parser.add_argument("--workers", type=int, default=1, help="Processes, one source at a time each.")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="Processes, one source at a time each; each holds its source's genome in memory several times over "
+        "(bytes, haplotype, tokens: about 4 bytes per base, ~12 GB for a human genome).",
+    )
     parser.add_argument("--progress", type=bool, default=True, help="Show a progress bar.")
     return parser
 

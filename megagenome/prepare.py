@@ -259,9 +259,14 @@ def run(manifest: ManifestConfig, manifest_path: str, out: str, workers: int = 1
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
             futures = [pool.submit(prepare_source, src, manifest, out) for src in manifest.sources]
-            for future in concurrent.futures.as_completed(futures):
-                entries += future.result()
-                bar.update(1)
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    entries += future.result()
+                    bar.update(1)
+            except BaseException:  # the first failure ends the run: sources not started yet are not started
+                pool.shutdown(wait=True, cancel_futures=True)
+                bar.close()
+                raise
     bar.close()
     order = {src.name: i for i, src in enumerate(manifest.sources)}
     entries.sort(key=lambda e: (order[e["source"]], e["name"]))
