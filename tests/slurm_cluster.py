@@ -236,6 +236,18 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait(timeout=5)
         self.procs.clear()
+        self._kill_job_leftovers()
+
+    def _kill_job_leftovers(self) -> None:
+        """Job steps that outlived their slurmd (proctrack/linuxproc does not kill them when slurmd stops): every
+        process whose environment names this cluster's slurm.conf, by PID."""
+        import psutil
+
+        conf = self.env.get("SLURM_CONF")
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if proc.pid != os.getpid() and proc.environ().get("SLURM_CONF") == conf:
+                    proc.kill()
 
     def _wait_for_empty_queue(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
