@@ -87,6 +87,15 @@ class JobInfo:
     fields: dict = field(default_factory=dict)
 
 
+def client_env(conf: str) -> dict:
+    """This environment for Slurm's client commands against the cluster of `conf`: SLURM_CONF set, Slurm's sbin
+    on PATH, and none of a surrounding job's variables (a test run inside a Slurm job must not leak its identity)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
+    env["SLURM_CONF"] = conf
+    env["PATH"] = os.pathsep.join([env.get("PATH", ""), *SBIN])
+    return env
+
+
 @dataclass
 class SlurmCluster:
     root: str
@@ -168,12 +177,7 @@ class SlurmCluster:
         ]
         with open(conf, "w", encoding="utf-8") as fh:
             fh.write("\n".join(lines) + "\n")
-        env = dict(os.environ)
-        env["SLURM_CONF"] = conf
-        env["PATH"] = os.pathsep.join([env.get("PATH", ""), *SBIN])
-        for k in list(env):  # a test run inside a Slurm job must not leak that job's identity into ours
-            if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF":
-                del env[k]
+        env = client_env(conf)
         return cls(root=root, conf=conf, node=node, cpus=cpus, env=env)
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
@@ -182,6 +186,12 @@ class SlurmCluster:
         log.close()
 
     def _start_daemons(self, timeout: float) -> None:
+        self._start_controller(timeout)
+        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", self.conf, "-N", self.node])
+        self._wait_for(self._node_idle, timeout, f"node {self.node} to become idle")
+
+    def _start_controller(self, timeout: float) -> None:
+        """munged, then slurmctld, each waited for; the nodes' slurmd come after."""
         r = self.root
         self._spawn(
             "munged",
@@ -199,8 +209,6 @@ class SlurmCluster:
         self._wait_for(lambda: os.path.exists(f"{r}/munge/munge.socket"), timeout, "munged to create its socket")
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", self.conf])
         self._wait_for(lambda: self._run(["scontrol", "ping"]).returncode == 0, timeout, "slurmctld to answer")
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", self.conf, "-N", self.node])
-        self._wait_for(self._node_idle, timeout, f"node {self.node} to become idle")
 
     def _wait_for(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -34,7 +34,15 @@ import tempfile
 import pytest
 from helpers import PYTHON, REPO, copy_genome, tiny_config, write_yaml
 from netns_hosts import IFNAME, HostsUnavailable, netns_hosts
-from slurm_cluster import SBIN, SlurmCluster, SlurmUnavailable, _free_port, _memory_mb, _which, missing_binaries
+from slurm_cluster import (
+    SlurmCluster,
+    SlurmUnavailable,
+    _free_port,
+    _memory_mb,
+    _which,
+    client_env,
+    missing_binaries,
+)
 
 from megagenome.metrics import read_metrics
 
@@ -152,32 +160,12 @@ class MultiHostSlurm(SlurmCluster):
         conf = os.path.join(root, "slurm.conf")
         with open(conf, "w", encoding="utf-8") as fh:
             fh.write("\n".join(lines) + "\n")
-        env = dict(os.environ)
-        env["SLURM_CONF"] = conf
-        env["PATH"] = os.pathsep.join([env.get("PATH", ""), *SBIN])
-        for k in list(env):  # a test run inside a Slurm job must not leak that job's identity into ours
-            if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF":
-                del env[k]
+        env = client_env(conf)
         return cls(root=root, conf=conf, node=ctl, cpus=cpus, env=env, hosts=list(netns.hosts))
 
     def _start_all(self, timeout: float) -> None:
         r = self.root
-        self._spawn(
-            "munged",
-            [
-                _which("munged"),
-                "--foreground",
-                "--force",
-                f"--socket={r}/munge/munge.socket",
-                f"--key-file={r}/munge/munge.key",
-                f"--pid-file={r}/run/munged.pid",
-                f"--log-file={r}/log/munged.log",
-                f"--seed-file={r}/munge/munged.seed",
-            ],
-        )
-        self._wait_for(lambda: os.path.exists(f"{r}/munge/munge.socket"), timeout, "munged to create its socket")
-        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", self.conf])
-        self._wait_for(lambda: self._run(["scontrol", "ping"]).returncode == 0, timeout, "slurmctld to answer")
+        self._start_controller(timeout)
         # nsenter into the host's network namespace -> unshare a UTS and a (private) mount namespace -> sh: bind
         # the hosts file, set the hostname -> exec slurmd. Not `ip netns exec`: it remounts /sys for the namespace,
         # which hides /sys/fs/cgroup, and slurmd 22.05 will not start without its cgroup plugin. Nothing forks on
