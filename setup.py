@@ -14,6 +14,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megagenome", "megagenome.*"]),
+    # DeepSpeed's config-section fields, copied for checks that import no deepspeed (megagenome/train/ds_schema.py).
+    package_data={"megagenome": ["train/ds_sections.json"]},
     install_requires=[
         "torch==2.13.0",
         "deepspeed==0.19.8",

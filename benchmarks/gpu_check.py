@@ -10,7 +10,7 @@ recorded as skipped, with the reason):
    8192, ds_configs/zero1_bf16.json (bf16 weights, fp32 master weights and gradient accumulation), --model.attention
    flash when flash-attn imports (else sdpa), torch's AdamW (--train.torch_adam true: no JIT build of DeepSpeed's
    fused Adam in the cells), 3 warm-up + 10 timed optimizer steps of one micro batch each, run by
-   megagenome.tune.run_trial (the find-micro-batch trial runner). tokens/s, TFLOP/s and MFU are the medians of the
+   megagenome.trials.run_trial (the find-micro-batch trial runner). tokens/s, TFLOP/s and MFU are the medians of the
    timed steps' metrics rows. MFU = model FLOPs (6N + 12*L*d*s per token, megagenome.metrics.flops_per_token)
    x tokens/s / peak, the peak being the datasheet bf16 dense value of megagenome.metrics.PEAK_TFLOPS (989 TFLOP/s
    for H100/H200 SXM).
@@ -77,8 +77,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout that is not installed
     sys.path.insert(0, str(REPO))
 
-from megagenome import cli, tune  # noqa: E402
+from megagenome import trials  # noqa: E402
 from megagenome.config import RootConfig, d_ff  # noqa: E402
+from megagenome.config.load import config_from_args  # noqa: E402
 from megagenome.metrics import flops_per_token, gpu_peak  # noqa: E402
 
 GOAL_MFU = 0.45
@@ -165,7 +166,7 @@ def run_gpu_tests(clock: Clock, work: pathlib.Path) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rs", "-p", "no:cacheprovider", *files]
     log = work / "gpu_tests.log"
     started = time.monotonic()
-    rc, timed_out = tune.run_child(cmd, str(log), tune.child_env(), timeout)
+    rc, timed_out = trials.run_child(cmd, str(log), trials.child_env(), timeout)
     text = log.read_text(encoding="utf-8", errors="replace")
     outcomes = _TEST_LINE.findall(text)
     counts = {k: sum(1 for _, o in outcomes if o == k.upper()) for k in ("passed", "failed", "error", "skipped")}
@@ -196,7 +197,7 @@ def estimate_micro(params: int, n_layer: int, d_model: int, seq: int, device_byt
 
 
 def cell_config(model: str, seq: int, attention: str, smoke: bool, fasta: str) -> RootConfig:
-    """The run config of a megagenome cell: the shipped YAML at this sequence length, as a trial (tune.trial_config
+    """The run config of a megagenome cell: the shipped YAML at this sequence length, as a trial (trials.trial_config
     sets the steps, the run directory and everything that only costs time)."""
     args = ["--config", MODELS[model], "--data.fasta", fasta, "--model.attention", attention]
     args += ["--train.torch_adam", "true"]
@@ -204,15 +205,14 @@ def cell_config(model: str, seq: int, attention: str, smoke: bool, fasta: str) -
         args += [f"--model.{k}={v}" for k, v in SMOKE_MODELS[model].items()]
         args += ["--model.max_seq_len", str(max(SMOKE_SEQ.values()))]
     args += ["--data.seq_len", str(seq)]
-    parser = cli.pretrain_parser()
-    return cli.root_config(parser.instantiate(parser.parse_args(args)))
+    return config_from_args(args)
 
 
 def megagenome_cell(cfg: RootConfig, micro: int, warmup: int, steps: int, work: str, timeout: float) -> dict:
-    trial = tune.run_trial(
-        tune.trial_config(cfg, warmup + steps), micro, work, warmup=warmup, timeout=timeout, name=f"mg_micro{micro}"
+    trial = trials.run_trial(
+        trials.trial_config(cfg, warmup + steps), micro, work, warmup=warmup, timeout=timeout, name=f"mg_micro{micro}"
     )
-    status = {tune.FITS: "ok", tune.OOM: "oom", tune.KILLED: "oom"}.get(trial.outcome, "failed")
+    status = {trials.FITS: "ok", trials.OOM: "oom", trials.KILLED: "oom"}.get(trial.outcome, "failed")
     return {
         "status": status,
         "micro": micro,
@@ -233,13 +233,13 @@ def hf_cell(spec: dict, work: str, timeout: float) -> dict:
     log = os.path.join(work, f"hf_{spec['d_model']}_{spec['seq']}_micro{spec['micro']}.log")
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--hf_cell", json.dumps(spec)]
     started = time.monotonic()
-    rc, timed_out = tune.run_child(cmd, log, tune.child_env(), timeout)
+    rc, timed_out = trials.run_child(cmd, log, trials.child_env(), timeout)
     text = pathlib.Path(log).read_text(encoding="utf-8", errors="replace")
     found = [line[len(RESULT_TAG) :] for line in text.splitlines() if line.startswith(RESULT_TAG)]
     wall = round(time.monotonic() - started, 1)
     if rc == 0 and found:
         return {"status": "ok", **json.loads(found[-1]), "wall_s": wall}
-    oom = tune.oom_line(text)
+    oom = trials.oom_line(text)
     if timed_out:
         reason = f"timeout after {timeout:.0f} s"
     else:

@@ -5,10 +5,10 @@ Input: tests/data/scerevisiae_S288C_ASM205763v1.fa.bgz (S. cerevisiae S288C, 17 
 to a temporary directory (pyfaidx writes its index beside a FASTA). A decompressed copy serves the "plain FASTA" rows.
 
 Measured, in one process pinned to one CPU (run it under `taskset -c N`, or pass --cpu N), with torch on one thread:
-  1. prepare: `megagenome prepare` through its Python API (cli.load_manifest, prepare.resolve, prepare.run with one
-     worker) on a manifest with the one source, chrMT held out (val_contigs); wall time of the whole run (SHA-256 of
-     the input, pyfaidx index, reading, encoding, writing and fsync of the shard, index files) into a fresh directory,
-     median of --prepare_runs runs; bases/s = all bases of the genome / wall time.
+  1. prepare: `megagenome prepare` through its Python API (config/load.py load_manifest, prepare.resolve, prepare.run
+     with one worker) on a manifest with the one source, chrMT held out (val_contigs); wall time of the whole run
+     (SHA-256 of the input, pyfaidx index, reading, encoding, writing and fsync of the shard, index files) into a fresh
+     directory, median of --prepare_runs runs; bases/s = all bases of the genome / wall time.
   2. loaders: full clm training batches of micro batch --batch at each --seq_len, counted as batch x seq_len tokens
      (input_ids, labels and loss_weight are all (B, T)). Loaders run in rotation, --rounds rounds of --seconds each
      (after one warm-up batch); the figure is the median over rounds. Every round also records the process CPU
@@ -76,8 +76,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megagenome import prepare as prep  # noqa: E402
-from megagenome.cli import load_manifest  # noqa: E402
 from megagenome.config import DataConfig  # noqa: E402
+from megagenome.config.load import load_manifest  # noqa: E402
 from megagenome.data import prepared  # noqa: E402
 from megagenome.data.dataset import (  # noqa: E402
     RNG_MASK,

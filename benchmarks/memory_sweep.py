@@ -111,9 +111,11 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
     from megagenome.config import ModelConfig, RootConfig
     from megagenome.data.tokenizer import VOCAB_SIZE
     from megagenome.model import DNATransformer
-    from megagenome.pretrain import memory_probe
+    from megagenome.parallel.layout import ParallelLayout
+    from megagenome.train import ds_config as dsc
     from megagenome.train import engine as ds
     from megagenome.train.loop import peak_memory_bytes
+    from megagenome.train.memory import memory_probe
 
     samples = {c: {"times": [], "cpu": [], "peaks": []} for c in cells}
     errors: dict[tuple[str, int], str] = {}
@@ -121,11 +123,12 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
     cfg.train.micro_batch_size, cfg.train.max_steps, cfg.train.warmup_steps = 1, 1000, 10
     engine_name = run_name.split("#")[0]
     files = [str(out / f) if f == BF16_ONLY else str(REPO / "ds_configs" / f) for f in ENGINES[engine_name]]
-    ds_json, _, problems = ds.merge_fragments(files)
-    problems += ds.check_ds_config(ds_json, " + ".join(files), "memory_sweep", on_gpu=False)
+    ds_json, sources, problems = dsc.merge_fragments(files)
+    problems += dsc.check_ds_config(ds_json, " + ".join(files), "memory_sweep", False, sources, ds.section_problems)
     if problems:
         raise ValueError("; ".join(problems))
-    ds_config = ds.build_ds_config(cfg, ds_json, world, on_gpu=False)
+    batch = ParallelLayout(world).batch(cfg.train)
+    ds_config = dsc.build_ds_config(ds_json, batch, cfg.train, universal=False, on_gpu=False)
     torch.manual_seed(0)
     model = DNATransformer(cfg.model, VOCAB_SIZE)
     n_params = model.num_parameters()  # before initialize: ZeRO-3 leaves empty parameters on the module

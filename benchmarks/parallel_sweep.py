@@ -22,7 +22,7 @@ oversubscription equally in every cell. For each cell:
   Both count only inside the training step function (not evaluation, logging or start-up).
 
 All cells of a launch run in one `deepspeed --num_gpus N` launch of this script (a worker mode, like
-tests/ds_scenarios.py), each through pretrain.run(cfg, [], keep_process_group=True).
+tests/support/worker.py), each through pretrain.run(cfg, [], keep_process_group=True).
 
     python benchmarks/parallel_sweep.py [--steps 6]
 
@@ -205,9 +205,10 @@ def _in_step(make_step):
 def worker(spec_path: pathlib.Path) -> None:
     import torch.distributed as dist
 
-    from megagenome import cli, pretrain
+    from megagenome import pretrain
+    from megagenome.config.load import config_from_dict
     from megagenome.parallel import pipeline
-    from megagenome.train import engine
+    from megagenome.train import engine, loop
 
     for op in OPS:
         if hasattr(dist, op):
@@ -217,13 +218,12 @@ def worker(spec_path: pathlib.Path) -> None:
     from megagenome.parallel import tensor_parallel
 
     tensor_parallel.dist = deepspeed.comm  # the same collectives, seen by DeepSpeed's comms logger (docstring)
-    pretrain.forward_backward_step = _in_step(pretrain.forward_backward_step)
+    loop.forward_backward_step = _in_step(loop.forward_backward_step)  # the step functions pretrain.train_step picks
     pipeline.train_step = _in_step(pipeline.train_step)
     spec = json.loads(spec_path.read_text())
-    parser = cli.pretrain_parser()
     rank = int(os.environ.get("RANK", "0"))
     for scenario in spec["scenarios"]:
-        cfg = cli.root_config(parser.instantiate(parser.parse_object(scenario["config"])))
+        cfg = config_from_dict(scenario["config"])
         COUNTS.clear(), CALLS.clear(), DS_IN_STEP.clear(), DS_CALLS.clear()
         STATE.update(steps=0, peak=0)
         started, error = time.time(), None
@@ -249,15 +249,6 @@ def worker(spec_path: pathlib.Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- driver
-
-
-def refusal(config: dict) -> list[str]:
-    sys.path.insert(0, str(REPO))
-    from megagenome import cli
-    from megagenome.parallel import pipeline
-
-    parser = cli.pretrain_parser()
-    return pipeline.problems(cli.root_config(parser.instantiate(parser.parse_object(config))))
 
 
 def dimension_of(world: int, tp: int, pp: int):

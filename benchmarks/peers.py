@@ -1,10 +1,10 @@
 """megagenome's training step vs a bare DeepSpeed loop vs the Hugging Face Trainer: side by side, in one launch.
 
 One `deepspeed --num_gpus N` launch of this script (a worker mode, CPU ranks on gloo here, GPUs as is) trains three
-models in the same processes, on the same batches, under the same DeepSpeed JSON (ds_configs/zero1_bf16.json by
-default: ZeRO-1, bf16 with fp32 gradient accumulation; it runs on DeepSpeed's CPU accelerator too, PLATFORM.md), the
-same micro batch and gradient accumulation, merged with the run-config-owned keys by megagenome's own
-train/engine.py build_ds_config (AdamW, WarmupCosineLR, clipping, batch sizes), so all three get one dict:
+models in the same processes, on the same batches, under the same DeepSpeed JSON (ds_configs/zero1_bf16.json by default:
+ZeRO-1, bf16 with fp32 gradient accumulation; it runs on DeepSpeed's CPU accelerator too, docs/platform.md), the same
+micro batch and gradient accumulation, merged with the run-config-owned keys by megagenome's own train/ds_config.py
+build_ds_config (AdamW, WarmupCosineLR, clipping, batch sizes), so all three get one dict:
 
 - (a) megagenome: pretrain.py's step function, train/loop.py forward_backward_step (engine(**batch), backward and
   step per micro batch, the step's loss read back, pretrain's TokenCounter around the batches), on an engine built
@@ -20,14 +20,14 @@ train/engine.py build_ds_config (AdamW, WarmupCosineLR, clipping, batch sizes), 
   batch, so the dataset is laid out for every rank to receive exactly the batches of (a) and (b)). Targets are given
   as shift_labels (the next base at every position, as megagenome's labels), so HF computes the same T-position loss.
 
-Timing (DESIGN.md, Performance method): after warm-up steps, R rounds; in each round every framework runs a block of
-K optimizer steps, the others' blocks run from the Trainer's on_step_end callback at HF's block boundaries, so the
-Trainer's engine stays alive and its rounds interleave with the others' (the order of a, a', b rotates every round).
-A block is timed between accelerator synchronisations (for HF: from the on_step_end that opens it to the one that
-closes it, so HF's dataloader, callbacks and bookkeeping are inside), per rank; the block's seconds per step is the
-slowest rank's; a framework's figure is the median over rounds. Ratios: a/b (megagenome's overhead over bare
-DeepSpeed, target <= 1.03) and a/c (target < 1). Every model's forward records its input tensors; after the run they
-are compared with the expected batches, so "same batches" is checked, not assumed. The per-step on_step_begin ->
+Timing (docs/architecture.md, Performance method): after warm-up steps, R rounds; in each round every framework runs a
+block of K optimizer steps, the others' blocks run from the Trainer's on_step_end callback at HF's block boundaries, so
+the Trainer's engine stays alive and its rounds interleave with the others' (the order of a, a', b rotates every round).
+A block is timed between accelerator synchronisations (for HF: from the on_step_end that opens it to the one that closes
+it, so HF's dataloader, callbacks and bookkeeping are inside), per rank; the block's seconds per step is the slowest
+rank's; a framework's figure is the median over rounds. Ratios: a/b (megagenome's overhead over bare DeepSpeed, target
+<= 1.03) and a/c (target < 1). Every model's forward records its input tensors; after the run they are compared with the
+expected batches, so "same batches" is checked, not assumed. The per-step on_step_begin ->
 on_step_end spans of the Trainer are recorded too (they leave out its data fetch; unsynchronised on a GPU).
 
     python benchmarks/peers.py [--rounds 5] [--steps 4] [--warmup 2] [--nproc 2] [--d_model 256 --n_layer 4
@@ -148,7 +148,9 @@ def worker(spec_path: pathlib.Path) -> None:
     from megagenome.data.tokenizer import VOCAB_SIZE
     from megagenome.metrics import MetricsWriter, flops_per_token
     from megagenome.model import DNATransformer
+    from megagenome.parallel.layout import ParallelLayout
     from megagenome.parallel.state import ParallelState
+    from megagenome.train import ds_config as dsc
     from megagenome.train import engine as ds
     from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
 
@@ -175,12 +177,14 @@ def worker(spec_path: pathlib.Path) -> None:
         ),
     )
     cfg.model.max_seq_len = spec["seq_len"]
-    micro, accum, global_batch = spec["micro"], spec["grad_accum"], spec["micro"] * spec["grad_accum"] * world
-    ds_json, _, problems = ds.merge_fragments([cfg.train.ds_config])
-    problems += ds.check_ds_config(ds_json, cfg.train.ds_config, "peers.py", gpu)
+    layout = ParallelLayout(world)
+    b = layout.batch(cfg.train)
+    micro, accum, global_batch = b.micro, b.grad_accum, b.global_batch
+    ds_json, sources, problems = dsc.merge_fragments([cfg.train.ds_config])
+    problems += dsc.check_ds_config(ds_json, cfg.train.ds_config, "peers.py", gpu, sources, ds.section_problems)
     if problems:
         raise ValueError("; ".join(problems))
-    ds_config = ds.build_ds_config(cfg, ds_json, world, gpu)
+    ds_config = dsc.build_ds_config(ds_json, b, cfg.train, universal=False, on_gpu=gpu)
     bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
 
     # The same batches for everyone: batch (step, micro step) of every rank, as pretrain.run would draw them.
@@ -205,7 +209,7 @@ def worker(spec_path: pathlib.Path) -> None:
     model_a = DNATransformer(cfg.model, VOCAB_SIZE)
     n_params = model_a.num_parameters()
     breakdown_a = parameter_breakdown(model_a)
-    state = ParallelState.build(rank, world, tp=1, pp=1, sp=1)
+    state = ParallelState.build(rank, layout)
     engine_a = ds.initialize(model_a, model_a.param_groups(cfg.train.weight_decay), copy.deepcopy(ds_config), mpu=state)
     rec_a = Recorder()
     engine_a.module.register_forward_pre_hook(rec_a, with_kwargs=True)
@@ -232,7 +236,6 @@ def worker(spec_path: pathlib.Path) -> None:
             start_step=start,
             max_steps=10**9,  # never the last step: fit() evaluates there
             stop_at=start + n,
-            grad_accum=accum,
             global_batch=global_batch,
             seq_len=cfg.data.seq_len,
             log_interval=n,
@@ -253,14 +256,13 @@ def worker(spec_path: pathlib.Path) -> None:
         result = fit(
             engine_a,
             plan,
-            counter,
+            fit_steps,
             lambda: {},
             no_save,
             writer,
             ds.all_reduce_sum,
-            to_device,
             progress=False,
-            train_step=fit_steps,
+            tokens=counter,
         )
         cursor["a_fit"] += n
         return [result["train"].get("loss")]
@@ -799,8 +801,9 @@ def main(argv: list[str] | None = None) -> None:
         "notes": [
             "Notes:",
             "",
-            "- Absolute times on CPU are this shared 2-core machine's only (DESIGN.md: ratios side by side; absolute "
-            "times only from a GPU). On a GPU run the same command; each block is timed between synchronisations.",
+            "- Absolute times on CPU are this shared 2-core machine's only (docs/architecture.md: ratios side by side; "
+            "absolute times only from a GPU). On a GPU run the same command; each block is timed between "
+            "synchronisations.",
             "- (a') runs fit() for K steps per call: every call ends with a metrics row (an all-reduce and a JSON "
             "line), like --train.log_interval K, and fit() all-reduces the stop-signal flag every step.",
             "- Reading the CPU figures: the three spend their time in the same matmuls, so their CPU seconds per step "

@@ -261,8 +261,9 @@ def worker(spec_path: pathlib.Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from megagenome import cli, pretrain
+    from megagenome import pretrain
     from megagenome.config import ConfigError
+    from megagenome.config.load import config_from_dict
     from megagenome.train import checkpoint
     from megagenome.train import engine as ds
 
@@ -278,7 +279,6 @@ def worker(spec_path: pathlib.Path) -> None:
     ds.initialize = captured
     if not spec["save_checkpoints"]:
         checkpoint.save = lambda *args, **kwargs: None  # the end-of-run checkpoint is not measured (docstring)
-    parser = cli.pretrain_parser()
     rank = int(os.environ.get("RANK", "0"))
     gpu = torch.cuda.is_available()
     for cell in spec["cells"]:
@@ -288,7 +288,7 @@ def worker(spec_path: pathlib.Path) -> None:
         in_use = _reset_peak(gpu)
         started, status, kind, error = time.time(), "ok", None, None
         try:
-            cfg = cli.root_config(parser.instantiate(parser.parse_object(cell["config"])))
+            cfg = config_from_dict(cell["config"])
             pretrain.run(cfg, [], keep_process_group=True)
         except ConfigError as e:
             status, error = "invalid", "; ".join(e.problems)

@@ -7,36 +7,31 @@
 `megagenome hostfile [--nodelist LIST] [--slots N] [--output PATH]` / `megagenome hostfile --check PATH` and
 `megagenome deepspeed-env [--export "VAR ..."] [--output PATH]`.
 
-jsonargparse builds the flags from the config dataclasses; the docstring under each field is its
-help text. Precedence: command line > YAML given with --config > dataclass defaults. Unknown keys,
-in YAML or on the command line, are errors.
+The CLI only parses argv and dispatches: the run-config flags and YAML loading are the config layer's
+(config/load.py: precedence command line > YAML given with --config > dataclass defaults; unknown keys, in YAML
+or on the command line, are errors), and each command's work lives in its module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
-from argparse import ArgumentError
 from typing import Literal
 
-from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+from jsonargparse import ArgumentParser
 
-from megagenome.config import ConfigError, ManifestConfig, RootConfig
-
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
+from megagenome.config import ConfigError, RootConfig
+from megagenome.config.load import add_run_config, config_files, load_manifest, root_config, run_config_parser
 
 
 def pretrain_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="megagenome pretrain", description="Pretrain a DNA language model with DeepSpeed.")
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML run config (later files override earlier).")
+    parser = run_config_parser("megagenome pretrain", "Pretrain a DNA language model with DeepSpeed.")
     parser.add_argument(
         "--dry_run",
         action="store_true",
         help="Validate everything, print the final DeepSpeed dict and the launch command, and exit.",
     )
-    parser.add_class_arguments(RootConfig, nested_key=None, fail_untyped=True)
     return parser
 
 
@@ -133,39 +128,6 @@ def prepare_parser() -> ArgumentParser:
     return parser
 
 
-def manifest_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="manifest", exit_on_error=False)
-    parser.add_class_arguments(ManifestConfig, nested_key=None, fail_untyped=True)
-    return parser
-
-
-_QUOTED_KEY = re.compile(r"""(?:Option '|Parser key ")([A-Za-z_][A-Za-z0-9_]*)['"]""")
-
-
-def load_manifest(path: str) -> ManifestConfig:
-    """The manifest at `path`, type-checked and strict (unknown keys are errors); ValueError naming file and line."""
-    parser = manifest_parser()
-    try:
-        ns = parser.parse_path(path)
-    except (ArgumentError, OSError, ValueError) as e:
-        message = " ".join(str(e).split())
-        keys = _QUOTED_KEY.findall(str(e))
-        line = _line_of_key(path, keys[-1]) if keys else None
-        raise ValueError(f"{path}{f':{line}' if line else ''}: {message}") from e
-    return ManifestConfig(**vars(parser.instantiate(ns)))
-
-
-def _line_of_key(path: str, key: str) -> int | None:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for number, text in enumerate(fh, 1):
-                if re.match(rf"^\s*(?:-\s*)?{re.escape(key)}\s*:", text):
-                    return number
-    except OSError:
-        pass
-    return None
-
-
 def run_prepare(ns) -> int:
     from megagenome import prepare
 
@@ -193,7 +155,6 @@ def preflight_parser() -> ArgumentParser:
         "the run directory as one shared writable filesystem; all-reduces are timed and reported as bus bandwidth. "
         "Prints one table; exit status 1 on any mismatch.",
     )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML run config, as given to `pretrain`.")
     parser.add_argument(
         "--sizes",
         type=str,
@@ -202,8 +163,7 @@ def preflight_parser() -> ArgumentParser:
     )
     parser.add_argument("--iters", type=int, default=5, help="Timed all-reduces per size (after 2 warm-up ones).")
     parser.add_argument("--json_out", type=str | None, default=None, help="Also write the report as JSON (rank 0).")
-    parser.add_class_arguments(RootConfig, nested_key=None, fail_untyped=True)
-    return parser
+    return add_run_config(parser, "YAML run config, as given to `pretrain`.")
 
 
 def plan_parser() -> ArgumentParser:
@@ -215,11 +175,6 @@ def plan_parser() -> ArgumentParser:
         "offload, activations under each checkpointing policy, buffers) and step time (compute, gradient "
         "communication) for every candidate configuration of a run config on a cluster, recommend the cheapest that "
         "fits, and print the predicted weak-scaling efficiency from 8 to 512 GPUs. Nothing is launched.",
-    )
-    parser.add_argument(
-        "--config",
-        action=ActionConfigFile,
-        help="YAML run config, as given to `pretrain`; give it again with a YAML of cluster keys (gpus: 64, ...).",
     )
     parser.add_argument(
         "--global_batch",
@@ -241,7 +196,9 @@ def plan_parser() -> ArgumentParser:
         help="Gradient accumulation dtype (default: the JSON's data_types.grad_accum_dtype, else the weights').",
     )
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON instead of tables.")
-    parser.add_class_arguments(RootConfig, nested_key=None, fail_untyped=True)
+    add_run_config(
+        parser, "YAML run config, as given to `pretrain`; give it again with a YAML of cluster keys (gpus: 64, ...)."
+    )
     parser.add_class_arguments(Cluster, nested_key=None, fail_untyped=True)
     return parser
 
@@ -259,7 +216,6 @@ def find_micro_batch_parser() -> ArgumentParser:
         "Tensor, pipeline and sequence parallelism need several processes and are refused. Exit status 0 with an "
         "answer, 1 when even micro batch 1 does not fit (or a trial fails otherwise), 2 on bad flags or config.",
     )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML run config, as given to `pretrain`.")
     parser.add_argument("--max_micro", type=int, default=64, help="Largest micro batch size to try.")
     parser.add_argument(
         "--steps", type=int, default=2, help="Optimizer steps per trial (tokens/s is the median after the first)."
@@ -280,8 +236,7 @@ def find_micro_batch_parser() -> ArgumentParser:
         help="Data-parallel size the accumulation is computed for (default: $WORLD_SIZE, else 1).",
     )
     parser.add_argument("--json_out", type=str | None, default=None, help="Also write the trials and answer as JSON.")
-    parser.add_class_arguments(RootConfig, nested_key=None, fail_untyped=True)
-    return parser
+    return add_run_config(parser, "YAML run config, as given to `pretrain`.")
 
 
 def build_parser() -> ArgumentParser:
@@ -302,11 +257,6 @@ def build_parser() -> ArgumentParser:
         "deepspeed-env", deepspeed_env_parser(), help="Write .deepspeed_env for DeepSpeed's multi-node launchers."
     )
     return parser
-
-
-def root_config(ns) -> RootConfig:
-    """The RootConfig of an instantiated `pretrain` namespace (one attribute per config section)."""
-    return RootConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RootConfig)})
 
 
 def _strip_launcher_args(argv: list[str]) -> list[str]:
@@ -331,17 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "pretrain":
         sub_ns = ns.pretrain
-        config_files = [str(p) for p in (sub_ns.get("config") or []) if p is not None]
-        cfg = parser.instantiate(ns).pretrain
-        root = root_config(cfg)
+        files = config_files(sub_ns)
+        root = root_config(parser.instantiate(ns).pretrain)
         from megagenome import pretrain
         from megagenome.train.loop import TrainingStopped
 
         try:
             if sub_ns.get("dry_run"):
-                pretrain.dry_run(root, config_files, argv[1:])
+                pretrain.dry_run(root, files, argv[1:])
             else:
-                pretrain.run(root, config_files)
+                pretrain.run(root, files)
         except ConfigError as e:
             # Every rank validates and exits non-zero; one copy of the message is enough.
             if os.environ.get("RANK", "0") == "0":
@@ -355,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "prepare":
         return run_prepare(ns.prepare)
     if ns.command == "preflight":
-        return run_preflight(ns.preflight, root_config(parser.instantiate(ns).preflight))
+        return run_preflight(ns.preflight, root_config(parser.instantiate(ns).preflight), config_files(ns.preflight))
     if ns.command == "plan":
         return run_plan(ns.plan, root_config(parser.instantiate(ns).plan))
     if ns.command == "find-micro-batch":
@@ -363,14 +312,18 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "convert-checkpoint":
         return convert_checkpoint(ns["convert-checkpoint"])
     if ns.command == "hostfile":
-        return hostfile(ns.hostfile)
+        from megagenome.cluster import commands
+
+        return commands.hostfile(ns.hostfile)
     if ns.command == "deepspeed-env":
-        return deepspeed_env(ns["deepspeed-env"])
+        from megagenome.cluster import commands
+
+        return commands.deepspeed_env(ns["deepspeed-env"])
     parser.print_help()
     return 2
 
 
-def run_preflight(ns, cfg: RootConfig) -> int:
+def run_preflight(ns, cfg: RootConfig, files: list[str]) -> int:
     from megagenome import preflight
 
     prog = "megagenome preflight"
@@ -382,7 +335,7 @@ def run_preflight(ns, cfg: RootConfig) -> int:
     if ns.iters < 1:
         print(f"{prog}: error: --iters={ns.iters}: must be positive", file=sys.stderr)
         return 2
-    return preflight.run(cfg, sizes, iters=ns.iters, json_out=ns.json_out)
+    return preflight.run(cfg, sizes, iters=ns.iters, json_out=ns.json_out, config_files=files)
 
 
 def run_plan(ns, cfg: RootConfig) -> int:
@@ -396,10 +349,9 @@ def run_plan(ns, cfg: RootConfig) -> int:
 def find_micro_batch(ns, cfg: RootConfig) -> int:
     from megagenome import tune
 
-    files = [str(p) for p in (ns.get("config") or []) if p is not None]
     return tune.find_micro_batch(
         cfg,
-        files,
+        config_files(ns),
         max_micro=ns.max_micro,
         steps=ns.steps,
         memory_budget_gb=ns.memory_budget_gb,
@@ -421,98 +373,6 @@ def convert_checkpoint(ns) -> int:
         return 2
     print(f"megagenome: universal checkpoint written to {out}")
     print(f"resume with: --checkpoint.resume {os.path.dirname(out)} --checkpoint.universal true")
-    return 0
-
-
-def _write_output(output: str, text: str) -> None:
-    if output == "-":
-        sys.stdout.write(text)
-    else:
-        from megagenome.record import atomic_write
-
-        atomic_write(output, text)
-
-
-def hostfile(ns) -> int:
-    from megagenome.cluster import hostfile as hf
-
-    prog = "megagenome hostfile"
-    if ns.check is not None:
-        given = [f for f, v in [("--nodelist", ns.nodelist), ("--slots", ns.slots)] if v is not None]
-        given += ["--output"] if ns.output != "-" else []
-        if given:
-            print(f"{prog}: error: --check validates a hostfile; it takes no {', '.join(given)}", file=sys.stderr)
-            return 2
-        try:
-            hosts = hf.parse_hostfile(ns.check)
-        except hf.HostfileError as e:
-            for problem in e.problems:
-                print(f"{prog}: error: {problem}", file=sys.stderr)
-            return 2
-        print(f"{ns.check}: ok: {len(hosts)} host(s), {sum(hosts.values())} slot(s)")
-        return 0
-    nodelist, source = ns.nodelist, "--nodelist"
-    for var in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-        if nodelist is None and os.environ.get(var):
-            nodelist, source = os.environ[var], var
-    if nodelist is None:
-        print(
-            f"{prog}: error: no node list: give --nodelist (e.g. 'node[01-04]') or run inside a Slurm allocation "
-            "($SLURM_JOB_NODELIST / $SLURM_NODELIST)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        hosts = hf.expand_nodelist(nodelist)
-        slots = hf.slots_from_env(os.environ, len(hosts), ns.slots)
-        comment = f"DeepSpeed hostfile written by `megagenome hostfile` from {source}={nodelist}"
-        text = hf.write_hostfile(hosts, slots, comment=comment)
-    except hf.HostfileError as e:
-        for problem in e.problems:
-            print(f"{prog}: error: {source}={nodelist!r}: {problem}", file=sys.stderr)
-        return 2
-    except ValueError as e:
-        where = f"{source}={nodelist!r}: " if isinstance(e, hf.NodelistError) else ""
-        print(f"{prog}: error: {where}{e}", file=sys.stderr)
-        return 2
-    try:
-        _write_output(ns.output, text)
-    except OSError as e:
-        print(f"{prog}: error: --output={ns.output}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    if ns.output != "-":
-        print(f"megagenome: wrote {ns.output}: {len(hosts)} host(s), {sum(slots)} slot(s)", file=sys.stderr)
-    return 0
-
-
-def deepspeed_env(ns) -> int:
-    from megagenome.cluster import deepspeed_env as dsenv
-
-    prog = "megagenome deepspeed-env"
-    source = "--export" if ns.export is not None else dsenv.EXPORT_VAR
-    try:
-        variables, notes = dsenv.collect(os.environ, ns.export, source)
-    except dsenv.ExportError as e:
-        for problem in e.problems:
-            print(f"{prog}: error: {problem}", file=sys.stderr)
-        return 2
-    output = ns.output or dsenv.env_file_path(os.environ)
-    home_file = os.path.join(os.path.expanduser("~"), dsenv.env_file_path(os.environ))
-    if output != "-" and os.path.isfile(home_file) and os.path.abspath(output) != os.path.abspath(home_file):
-        notes.append(f"DeepSpeed also reads {home_file}, first: for a name set in both, {output} wins")
-    for note in notes:
-        print(f"{prog}: note: {note}", file=sys.stderr)
-    try:
-        if output == "-":
-            sys.stdout.write(dsenv.render(variables))
-        else:
-            dsenv.write(output, variables)
-    except OSError as e:
-        print(f"{prog}: error: --output={output}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    if output != "-":
-        names = " ".join(variables) or "(nothing)"
-        print(f"megagenome: wrote {output} for DeepSpeed's multi-node launcher: {names}", file=sys.stderr)
     return 0
 
 

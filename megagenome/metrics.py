@@ -1,6 +1,6 @@
 """Training metrics: the metrics.jsonl writer, bits per base and the FLOP/MFU/HFU accounting (layer L1).
 
-FLOPs per token, as DESIGN.md fixes them (N: the parameter count, tied embeddings once; L layers, width d,
+FLOPs per token, as docs/architecture.md fixes them (N: the parameter count, tied embeddings once; L layers, width d,
 sequence length s; one FLOP is a multiply or an add, so a multiply-accumulate is 2):
 
 - Model FLOPs (MFU), no recompute: 6N + 12*L*d*s. Each weight takes part in one matmul per token: 2N forward,
@@ -235,7 +235,7 @@ def hardware_flops_per_token(
 
 
 def zero_model_state_bytes(n_params: int, zero_stage: int, dp_size: int) -> float:
-    """Per-rank model-state bytes of mixed-precision Adam under ZeRO (Rajbhandari et al. 2020; DESIGN.md).
+    """Per-rank model-state bytes of mixed-precision Adam under ZeRO (Rajbhandari et al. 2020; docs/architecture.md).
 
     16 bytes per parameter: 2 (bf16/fp16 weights) + 2 (bf16/fp16 gradients) + 12 (fp32 master weights, Adam
     exp_avg and exp_avg_sq). Stage 1 partitions the 12 over the dp_size ranks, stage 2 the gradients too,

@@ -15,15 +15,24 @@ import json
 import os
 import sys
 
-from megagenome.config import RootConfig, d_ff, ds_config_files
+from megagenome.config import RootConfig, d_ff
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.metrics import peak_tflops
 from megagenome.model.transformer import padded_vocab_size
+from megagenome.parallel.layout import LayoutError, ParallelLayout
 from megagenome.planner.activations import ModelShape, n_params
 from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
 from megagenome.planner.states import DTYPE_BYTES, STATES, Precision
 from megagenome.planner.timing import Cluster
-from megagenome.train.engine import load_ds_json, merge_fragments, offload_devices
+from megagenome.train.ds_config import (
+    ds_config_files,
+    dtype_name,
+    load_ds_json,
+    merge_fragments,
+    offload_devices,
+    weights_dtype,
+    zero_stage,
+)
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
 PROG = "megagenome plan"
@@ -52,17 +61,9 @@ def shape_of(cfg: RootConfig) -> ModelShape:
     )
 
 
-def _dtype(ds: dict) -> str:
-    return (
-        "fp16" if (ds.get("fp16") or {}).get("enabled") else "bf16" if (ds.get("bf16") or {}).get("enabled") else "fp32"
-    )
-
-
-_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-_DTYPE_NAMES.update({"fp16": "fp16", "float16": "fp16", "half": "fp16"})
-
-
-def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> list[str]:
+def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tuple[ParallelLayout | None, list[str]]:
+    """The layout of the run config over --gpus (the planner models tensor x data parallelism) and every problem of
+    the request."""
     problems = []
     for flag in ("gpus", "gpus_per_node"):
         if getattr(cluster, flag) < 1:
@@ -81,25 +82,31 @@ def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> li
     if cluster.peak_tflops is not None and not cluster.peak_tflops > 0:
         problems.append(f"--peak_tflops={cluster.peak_tflops}: must be positive")
     m, par = cfg.model, cfg.parallel
-    if m.d_model <= 0 or m.n_head <= 0 or m.n_layer <= 0 or m.d_model % m.n_head:
+    shape_ok = m.d_model > 0 and m.n_head > 0 and m.n_layer > 0 and not m.d_model % m.n_head
+    if not shape_ok:
         problems.append(f"--model.d_model={m.d_model} must be a positive multiple of --model.n_head={m.n_head}")
     if cfg.data.seq_len <= 0 or cfg.data.seq_len > m.max_seq_len:
         problems.append(f"--data.seq_len={cfg.data.seq_len}: must be within [1, --model.max_seq_len={m.max_seq_len}]")
     for flag, value in (("parallel.pipeline", par.pipeline), ("parallel.sequence", par.sequence)):
         if value != 1:
             problems.append(f"--{flag}={value}: plan models data and tensor parallelism only (set it to 1)")
-    tp = par.tensor
-    if tp < 1 or cluster.gpus % tp or tp > cluster.gpus_per_node:
+    if not shape_ok or cluster.gpus < 1 or par.pipeline != 1 or par.sequence != 1:
+        return None, problems
+    try:
+        layout = ParallelLayout.build(cluster.gpus, par, m, cfg.data.seq_len, padded_vocab_size(VOCAB_SIZE))
+    except LayoutError as e:
+        return None, problems + e.problems
+    if par.tensor > cluster.gpus_per_node:
         problems.append(
-            f"--parallel.tensor={tp}: must divide --gpus={cluster.gpus} and fit in a node (--gpus_per_node="
-            f"{cluster.gpus_per_node})"
+            f"--parallel.tensor={par.tensor}: must fit in a node (--gpus_per_node={cluster.gpus_per_node}): tensor "
+            "parallelism all-reduces in every layer"
         )
-    elif global_batch is not None and (global_batch < 1 or global_batch % (cluster.gpus // tp)):
+    elif global_batch is not None and (global_batch < 1 or global_batch % layout.data_parallel):
         problems.append(
             f"--global_batch={global_batch}: must be a positive multiple of the data-parallel size "
-            f"{cluster.gpus // tp} (--gpus / --parallel.tensor)"
+            f"{layout.data_parallel} (--gpus / --parallel.tensor)"
         )
-    return problems
+    return layout, problems
 
 
 def _fragments(stage: int, offload: bool) -> tuple[str, dict]:
@@ -122,24 +129,22 @@ def _precision_fragment(prec: Precision, stage: int) -> str | None:
 
 def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, grad_accum_dtype=None) -> dict:
     """Everything `megagenome plan` prints, as one JSON-ready dict. Raises PlanError naming the flags."""
-    problems = _problems(cfg, cluster, global_batch)
+    layout, problems = _problems(cfg, cluster, global_batch)
     files = ds_config_files(cfg.train)
     ds, _, merge_problems = merge_fragments(files)
     problems += merge_problems
     if problems:
         raise PlanError(problems)
-    tp = cfg.parallel.tensor
-    dp = cluster.gpus // tp
+    tp, dp = layout.tensor, layout.data_parallel
     if global_batch is None:
-        global_batch = cfg.train.global_batch_size or cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dp
+        global_batch = layout.global_batch(cfg.train)
         if global_batch % dp:
             raise PlanError(
                 [f"--train.global_batch_size={global_batch} is not a multiple of the data-parallel size {dp}"]
             )
-    weights = precision or _dtype(ds)
-    accum_name = (ds.get("data_types") or {}).get("grad_accum_dtype")
-    grad_accum = grad_accum_dtype or _DTYPE_NAMES.get(str(accum_name).lower(), weights)
-    comm_name = _DTYPE_NAMES.get(str(ds.get("communication_data_type")).lower())
+    weights = precision or weights_dtype(ds)
+    grad_accum = grad_accum_dtype or dtype_name((ds.get("data_types") or {}).get("grad_accum_dtype")) or weights
+    comm_name = dtype_name(ds.get("communication_data_type"))
     prec = Precision(weights, grad_accum)
     peak = cluster.peak_tflops or peak_tflops(cluster.gpu)
     zero = {(s, o): _fragments(s, o)[1] for s in range(4) for o in (False, True) if not (o and s < 2)}
@@ -152,7 +157,7 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
         peak_tflops=peak,
         tp=tp,
         zero=zero,
-        comm_bytes=DTYPE_BYTES[comm_name] if comm_name else None,
+        comm_bytes=DTYPE_BYTES.get(comm_name),
     )
     candidates = grid(setup)
     rows = [evaluate(setup, c) for c in candidates]
@@ -206,7 +211,7 @@ def _your_config(setup: Setup, cfg: RootConfig, ds: dict, dp: int) -> dict | Non
     if micro < 1 or (setup.global_batch // dp) % micro:
         return None
     zero = ds.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0))
+    stage = zero_stage(ds)
     offload = bool(offload_devices(ds))
     if offload and stage < 2:
         return None

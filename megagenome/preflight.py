@@ -14,8 +14,11 @@ all-reduces of several sizes are timed (median of --iters, slowest rank) and rep
 nccl-tests convention: algorithm bandwidth (bytes / time) x 2 (n - 1) / n, the rate each rank's link moves data
 in a ring all-reduce, comparable across world sizes with the link speed.
 
-Rank 0 prints one table and a verdict; the exit code is 0 when every rank agrees and sees the shared run
-directory, 1 otherwise (each mismatch is named, with the ranks on either side).
+The config is also validated as `pretrain` would validate it for this world (assembly.validate without opening the
+data): the parallel layout over the launched ranks, the DeepSpeed JSON, the checkpoint a resume would load.
+
+Rank 0 prints one table and a verdict; the exit code is 0 when every rank agrees, sees the shared run directory
+and the config is valid for this world, 1 otherwise (each mismatch is named, with the ranks on either side).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import socket
 import sys
 import uuid
 
-from megagenome.config import RootConfig, to_dict
+from megagenome import assembly
+from megagenome.config import ConfigError, RootConfig, to_dict
 from megagenome.record import git_commit
 from megagenome.train import engine as ds
 
@@ -194,18 +198,32 @@ def table(reports: list[dict], bandwidth: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: RootConfig, sizes: list[int], iters: int = 5, json_out: str | None = None) -> int:
+def layout_check(cfg: RootConfig, config_files: list[str], world_size: int) -> tuple[str, list[str]]:
+    """(the run's parallel layout over world_size ranks, described; every problem `pretrain` would report before
+    starting, the data aside)."""
+    try:
+        validated = assembly.validate(cfg, config_files, world_size, data=False)
+    except ConfigError as e:
+        return "not valid for this world", e.problems
+    return validated.layout.describe(), []
+
+
+def run(
+    cfg: RootConfig, sizes: list[int], iters: int = 5, json_out: str | None = None, config_files: list[str] = ()
+) -> int:
     """Collective: every rank reports; rank 0 prints the table and, with json_out, writes it as JSON. Returns the
-    exit code (0: all agree)."""
+    exit code (0: all agree and the config is valid for this world)."""
     rank, local_rank, world_size = ds.init_distributed()
     try:
+        layout, config_problems = layout_check(cfg, list(config_files), world_size)
         report = rank_report(cfg, rank, local_rank, world_size)
         report["shared_dir"] = shared_dir_check(cfg.log.run_dir, rank, world_size)
         reports = ds.all_gather_object(report)
         bandwidth = bandwidth_rows(sizes, world_size, iters)
-        found = problems(reports)
+        found = problems(reports) + config_problems
         if rank == 0:
             print(table(reports, bandwidth), flush=True)
+            print(f"\nlayout: {layout}", flush=True)
             if found:
                 print("\npreflight FAILED:\n" + "\n".join(f"  - {p}" for p in found), file=sys.stderr, flush=True)
             else:
@@ -213,6 +231,7 @@ def run(cfg: RootConfig, sizes: list[int], iters: int = 5, json_out: str | None 
             if json_out:
                 record = {
                     "ranks": reports,
+                    "layout": layout,
                     "all_reduce": bandwidth,
                     "problems": found,
                     "config": to_dict(cfg),

@@ -1,21 +1,9 @@
 """`megagenome find-micro-batch`: the largest micro batch that fits on one device, and the gradient accumulation
 it implies for a run's global batch (layer L4).
 
-The search trains for real: the run's model, data and DeepSpeed JSON, `--steps` optimizer steps per trial, for
-micro = 1, 2, 4, ... up to --max_micro, then a binary search between the last micro batch that fitted and the first
-that did not. Each trial is a child process, `python -m megagenome pretrain` in a world of one with a temporary run
-directory (trial_config), so
-
-- an out-of-memory error ends only that child, and is read from its exit status and output: torch.OutOfMemoryError
-  on a GPU, the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or SIGKILL from the
-  kernel's out-of-memory killer;
-- every trial starts from an empty device and its peak is its own: the largest mem_peak_bytes_max of its
-  metrics.jsonl rows (the CUDA allocator's peak, or the peak RSS of the process on CPU).
-
-Why not one process: measured on CPU, two pretrain.run calls at micro 8 then one at micro 1 in one process freed
-their engines after gc (RSS back to ~352 MiB each time), but the peak RSS (ru_maxrss) is a high-water mark that
-cannot be reset, so every later trial would report the first large trial's peak; on a GPU a caught out-of-memory
-error leaves the caching allocator fragmented, and a fresh process is the only clean slate for the next trial.
+The search trains for real (trials.py: each trial a child process, `python -m megagenome pretrain` in a world of
+one): the run's model, data and DeepSpeed JSON, `--steps` optimizer steps per trial, for micro = 1, 2, 4, ... up to
+--max_micro, then a binary search between the last micro batch that fitted and the first that did not.
 
 A trial that trains but peaks above the memory budget counts as not fitting: a budget, not an out-of-memory error.
 The budget defaults to the device's memory on a GPU (so only a real out-of-memory error ends the search there) and
@@ -26,258 +14,37 @@ Single-process assumption: the trials run one rank holding the whole model state
 mixed-precision Adam). With ZeRO >= 1 and more data-parallel ranks, each rank holds a share of that state and
 the activations per rank are the same, so a micro batch that fits here fits on every rank of a larger run: the
 answer is conservative. Model parallelism (tensor, pipeline, sequence) needs several processes and is refused.
-
-Each trial also runs what every run does at its last step: one batch of held-out windows and a checkpoint (16 bytes
-per parameter on disk, deleted with the trial's run directory).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from megagenome.config import ConfigError, RootConfig, to_dict
-from megagenome.record import write_json, write_yaml
+from megagenome import assembly
+from megagenome.config import ConfigError, RootConfig
+from megagenome.parallel.layout import ParallelLayout
+from megagenome.record import write_json
+from megagenome.trials import (
+    FITS,
+    KILLED,
+    NOT_FITTING,
+    OOM,
+    OVER_BUDGET,
+    GiB,
+    Trial,
+    TrialError,
+    describe,
+    gib,
+    run_trial,
+    trial_config,
+)
 
-GiB = 2**30
 PROG = "megagenome find-micro-batch"
-
-# Environment of the deepspeed/torchrun launchers: a trial must not try to join the caller's world.
-LAUNCHER_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "CROSS_RANK",
-    "CROSS_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-# What an out-of-memory error prints: torch.OutOfMemoryError on CUDA/ROCm, cuBLAS failing to get its workspace,
-# and the CPU allocator ("[enforce fail at alloc_cpu.cpp] . DefaultCPUAllocator: can't allocate memory").
-_OOM = re.compile(
-    r"OutOfMemoryError|CUDA out of memory|HIP out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
-    r"DefaultCPUAllocator|can't allocate memory|Cannot allocate memory"
-)
-
-FITS, OVER_BUDGET, OOM, KILLED = "fits", "over budget", "out of memory", "killed"
-NOT_FITTING = (OVER_BUDGET, OOM, KILLED)  # outcomes that answer "no"; anything else stops the search
-
-
-@dataclass
-class Trial:
-    """One micro batch size tried: what happened and what it measured."""
-
-    micro: int
-    outcome: str  # FITS, OVER_BUDGET, OOM, KILLED; or "config error", "error", "timeout" (no answer)
-    peak_bytes: int | None = None
-    tokens_per_s: float | None = None
-    tflops_per_gpu: float | None = None
-    mfu: float | None = None
-    peak_tflops: float | None = None
-    peak_source: str | None = None
-    parameters: int | None = None
-    wall_s: float = 0.0
-    returncode: int | None = None
-    detail: str = ""  # the out-of-memory line, or the end of the output of a failed trial
-
-    @property
-    def fits(self) -> bool:
-        return self.outcome == FITS
-
-
-class TrialError(RuntimeError):
-    """A trial failed for another reason than memory: the search has no answer."""
-
-    def __init__(self, trial: Trial):
-        self.trial = trial
-        super().__init__(f"micro batch {trial.micro}: {trial.outcome} (exit status {trial.returncode})\n{trial.detail}")
-
-
-def trial_config(cfg: RootConfig, steps: int, grad_accum: int = 1) -> RootConfig:
-    """`cfg` as a short trial: `steps` optimizer steps of `grad_accum` micro batches, a metrics row per step, no
-    global batch check, no evaluation or checkpoint before the last step (one held-out batch then), no resume, no
-    progress bar. run_trial sets the micro batch size and the run directory."""
-    r = dataclasses.replace
-    return r(
-        cfg,
-        train=r(
-            cfg.train,
-            grad_accum_steps=grad_accum,
-            global_batch_size=None,
-            max_steps=steps,
-            stop_at=None,
-            warmup_steps=0,
-            log_interval=1,
-            eval_interval=0,
-        ),
-        data=r(cfg.data, eval_windows=1),
-        checkpoint=r(cfg.checkpoint, interval=0, resume="none"),
-        log=r(cfg.log, progress=False),
-    )
-
-
-def child_env() -> dict:
-    """The environment of a trial: this one without launcher variables, with this package importable."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def run_child(cmd: list[str], log_path: str, env: dict, timeout: float | None) -> tuple[int | None, bool]:
-    """Run cmd with its output in log_path, in a session of its own so that a timeout or an interrupt ends it and
-    anything it started (DeepSpeed's op builds). Returns (exit status, timed out)."""
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout), False
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return None, True
-        except BaseException:
-            _kill_group(proc)
-            raise
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _median(values: list[float | None]) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
-def run_trial(
-    cfg: RootConfig,
-    micro: int,
-    work_dir: str,
-    *,
-    budget_bytes: int | None = None,
-    warmup: int = 1,
-    timeout: float | None = None,
-    name: str | None = None,
-) -> Trial:
-    """Train `cfg` (a trial_config) at micro batch `micro` in a child process; classify and measure the result.
-
-    tokens/s, TFLOP/s and MFU are medians over the steps after the first `warmup` (all steps if there are no
-    more). The trial's run directory is deleted afterwards; its output stays in <work_dir>/<name>.log."""
-    name = name or f"micro{micro}"
-    run_dir = os.path.join(work_dir, name)
-    config_path = os.path.join(work_dir, f"{name}.yaml")
-    log_path = os.path.join(work_dir, f"{name}.log")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(work_dir, exist_ok=True)
-    trial_cfg = dataclasses.replace(
-        cfg,
-        train=dataclasses.replace(cfg.train, micro_batch_size=micro),
-        log=dataclasses.replace(cfg.log, run_dir=run_dir),
-    )
-    write_yaml(config_path, to_dict(trial_cfg))
-    started = time.time()
-    cmd = [sys.executable, "-m", "megagenome", "pretrain", "--config", config_path]
-    rc, timed_out = run_child(cmd, log_path, child_env(), timeout)
-    wall = time.time() - started
-    with open(log_path, encoding="utf-8", errors="replace") as fh:
-        output = fh.read()
-    rows = _train_rows(os.path.join(run_dir, "metrics.jsonl"))
-    parameters = _parameters(run_dir, output)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    peaks = [r.get("mem_peak_bytes_max") or r.get("mem_peak_bytes") for r in rows]
-    timed = rows[warmup:] or rows
-    trial = Trial(
-        micro=micro,
-        outcome=FITS,
-        peak_bytes=max((p for p in peaks if p), default=None),
-        tokens_per_s=_median([r.get("tokens_per_s") for r in timed]),
-        tflops_per_gpu=_median([r.get("tflops_per_gpu") for r in timed]),
-        mfu=_median([r.get("mfu") for r in timed]),
-        peak_tflops=rows[-1].get("peak_tflops") if rows else None,
-        peak_source=rows[-1].get("peak_source") if rows else None,
-        parameters=parameters,
-        wall_s=wall,
-        returncode=rc,
-    )
-    if timed_out:
-        trial.outcome, trial.detail = "timeout", f"stopped after {timeout:.0f} s\n{_tail(output)}"
-    elif rc != 0:
-        oom = oom_line(output)
-        if oom:
-            trial.outcome, trial.detail = OOM, oom
-        elif rc == -signal.SIGKILL:
-            trial.outcome = KILLED
-            trial.detail = "killed by SIGKILL (on Linux most likely the kernel's out-of-memory killer)"
-        else:
-            trial.outcome = "config error" if rc == 2 else "error"
-            trial.detail = _tail(output)
-    elif not rows:
-        trial.outcome, trial.detail = "error", "the trial wrote no metrics rows\n" + _tail(output)
-    elif budget_bytes is not None and trial.peak_bytes is not None and trial.peak_bytes > budget_bytes:
-        trial.outcome = OVER_BUDGET
-        trial.detail = f"peak {_gib(trial.peak_bytes)} > budget {_gib(budget_bytes)}"
-    return trial
-
-
-def _train_rows(path: str) -> list[dict]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-    except (OSError, json.JSONDecodeError):
-        return []
-    return [r for r in rows if "split" not in r]
-
-
-def _parameters(run_dir: str, output: str) -> int | None:
-    try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
-            return int(json.load(fh)["parameters"])
-    except (OSError, ValueError, KeyError, TypeError):
-        m = re.search(r"megagenome: ([\d,]+) parameters", output)  # printed before training starts
-        return int(m.group(1).replace(",", "")) if m else None
-
-
-def oom_line(output: str) -> str | None:
-    """The line of a process's output that reports an out-of-memory error (CUDA or CPU allocator), or None."""
-    m = _OOM.search(output)
-    return None if m is None else _line_at(output, m.start())
-
-
-def _line_at(text: str, index: int) -> str:
-    """The line of text holding position index (an error message), shortened to 300 characters."""
-    end = text.find("\n", index)
-    return text[text.rfind("\n", 0, index) + 1 : end if end >= 0 else len(text)].strip()[:300]
-
-
-def _tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GiB:.2f} GiB"
 
 
 def search(trial: Callable[[int], Trial], max_micro: int, log: Callable[[str], None] = print) -> tuple[int, list]:
@@ -312,18 +79,6 @@ def search(trial: Callable[[int], Trial], max_micro: int, log: Callable[[str], N
             low, high = (mid, high) if fits(mid) else (low, mid)
         best = low
     return best, trials
-
-
-def describe(t: Trial) -> str:
-    """One line of the search log."""
-    if t.fits:
-        speed = f", {t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s else ""
-        return f"micro {t.micro}: fits (peak {_gib(t.peak_bytes)}{speed}, {t.wall_s:.0f} s)"
-    if t.outcome == OVER_BUDGET:
-        return f"micro {t.micro}: does not fit: over the memory budget ({t.detail}; it trained: no out-of-memory error)"
-    if t.outcome in (OOM, KILLED):
-        return f"micro {t.micro}: does not fit: {t.outcome} ({t.detail})"
-    return f"micro {t.micro}: {t.outcome} (exit status {t.returncode})"
 
 
 def accumulation(global_batch: int, micro: int, dp: int) -> dict:
@@ -365,7 +120,7 @@ def _device() -> tuple[str, int | None]:
     if torch.cuda.is_available():
         # Properties only: no CUDA context is created here, so the children get the whole device.
         props = torch.cuda.get_device_properties(0)
-        return f"cuda:0 ({props.name}, {_gib(props.total_memory)})", int(props.total_memory)
+        return f"cuda:0 ({props.name}, {gib(props.total_memory)})", int(props.total_memory)
     return "cpu", None
 
 
@@ -382,64 +137,45 @@ def find_micro_batch(
 ) -> int:
     """The body of `megagenome find-micro-batch`; returns the exit status (0 found, 1 none fits or a trial failed,
     2 bad flags or config). The search log goes to stderr, the table and the answer to stdout."""
-
-    def err(message: str) -> None:
-        print(f"{PROG}: {message}", file=sys.stderr, flush=True)
-
-    problems = flag_problems(max_micro, steps, memory_budget_gb, data_parallel)
-    if os.environ.get("RANK", "0") != "0" or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
-        problems.append("run it as one plain process, not under a launcher: it starts one process per trial itself")
-    for name in ("tensor", "pipeline", "sequence"):
-        degree = getattr(cfg.parallel, name)
-        if degree > 1:
-            problems.append(
-                f"--parallel.{name}={degree}: the search trains in one process, and this degree needs {degree}; "
-                "search with it at 1 (splitting the model only shrinks what each rank holds: a conservative answer)"
-            )
+    problems = flag_problems(max_micro, steps, memory_budget_gb, data_parallel) + _layout_problems(cfg)
     if problems:
         for p in problems:
-            err(f"error: {p}")
+            _err(f"error: {p}")
         return 2
-    dp = data_parallel or int(os.environ.get("WORLD_SIZE", "1") or 1)
+    # The run the answer is for: data_parallel ranks of one whole model each (model parallelism is refused above).
+    target = ParallelLayout(world_size=data_parallel or int(os.environ.get("WORLD_SIZE", "1") or 1))
     base = trial_config(cfg, steps)
     work = tempfile.mkdtemp(prefix="mg-find-micro-", dir=work_dir)
     try:
-        from megagenome import pretrain
-
         probe = dataclasses.replace(base, log=dataclasses.replace(base.log, run_dir=os.path.join(work, "validate")))
         probe = dataclasses.replace(probe, train=dataclasses.replace(probe.train, micro_batch_size=1))
-        try:
-            pretrain.prepare(probe, config_files, world_size=1).data.close()
+        try:  # the trials' own validation, in their world of one, before the first child starts
+            assembly.validate(probe, config_files, world_size=1).data.close()
         except ConfigError as e:
-            err(f"error: {e}")
+            _err(f"error: {e}")
             return 2
         device, device_bytes = _device()
-        if memory_budget_gb is not None:
-            budget, budget_source = int(memory_budget_gb * GiB), "--memory_budget_gb"
-        elif device_bytes is not None:
-            budget, budget_source = device_bytes, "the device's memory"
-        else:
-            budget, budget_source = None, "none (CPU): only an allocation failure or --max_micro ends the search"
-        shown = f"{_gib(budget)} ({budget_source})" if budget is not None else budget_source
-        err(f"{steps} step(s) per trial in one process on {device}, micro batches up to {max_micro}; budget {shown}")
+        budget, budget_source = _budget(memory_budget_gb, device_bytes)
+        shown = f"{gib(budget)} ({budget_source})" if budget is not None else budget_source
+        _err(f"{steps} step(s) per trial in one process on {device}, micro batches up to {max_micro}; budget {shown}")
 
         def trial(micro: int) -> Trial:
             return run_trial(base, micro, work, budget_bytes=budget, warmup=1 if steps > 1 else 0)
 
         try:
-            best, trials = search(trial, max_micro, log=err)
+            best, trials = search(trial, max_micro, log=_err)
         except TrialError as e:
-            err(f"error: {e}")
+            _err(f"error: {e}")
             return 2 if e.trial.outcome == "config error" else 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    t = cfg.train
-    if t.global_batch_size is not None:
-        global_batch, source = t.global_batch_size, "--train.global_batch_size"
-    else:
-        global_batch = t.micro_batch_size * t.grad_accum_steps * dp
-        source = f"--train.micro_batch_size {t.micro_batch_size} x --train.grad_accum_steps {t.grad_accum_steps} x {dp}"
-    accum = accumulation(global_batch, best, dp) if best else None
+    t, dp = cfg.train, target.data_parallel
+    global_batch = target.global_batch(t)
+    source = (
+        "--train.global_batch_size"
+        if t.global_batch_size is not None
+        else f"--train.micro_batch_size {t.micro_batch_size} x --train.grad_accum_steps {t.grad_accum_steps} x {dp}"
+    )
     result = {
         "config_files": config_files,
         "device": device,
@@ -450,7 +186,7 @@ def find_micro_batch(
         "trials": [dataclasses.asdict(x) for x in trials],
         "largest_micro_batch": best,
         "global_batch_source": source,
-        "accumulation": accum,
+        "accumulation": accumulation(global_batch, best, dp) if best else None,
         "single_process": "one rank holds the whole model state; with ZeRO >= 1 over more ranks the answer is "
         "conservative (fits on one rank => fits on more)",
     }
@@ -460,6 +196,34 @@ def find_micro_batch(
     return 0 if best else 1
 
 
+def _err(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+def _layout_problems(cfg: RootConfig) -> list[str]:
+    """The search runs as one plain process, and each trial in a world of one."""
+    problems = []
+    if os.environ.get("RANK", "0") != "0" or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
+        problems.append("run it as one plain process, not under a launcher: it starts one process per trial itself")
+    for name in ("tensor", "pipeline", "sequence"):
+        degree = getattr(cfg.parallel, name)
+        if degree > 1:
+            problems.append(
+                f"--parallel.{name}={degree}: the search trains in one process, and this degree needs {degree}; "
+                "search with it at 1 (splitting the model only shrinks what each rank holds: a conservative answer)"
+            )
+    return problems
+
+
+def _budget(memory_budget_gb: float | None, device_bytes: int | None) -> tuple[int | None, str]:
+    """(the peak above which a trial does not fit, or None; where that figure comes from)."""
+    if memory_budget_gb is not None:
+        return int(memory_budget_gb * GiB), "--memory_budget_gb"
+    if device_bytes is not None:
+        return device_bytes, "the device's memory"
+    return None, "none (CPU): only an allocation failure or --max_micro ends the search"
+
+
 def report(result: dict, global_batch: int, dp: int) -> str:
     """The table of trials and the answer, as printed."""
     lines = [f"{'micro':>6}  {'fits':<4}  {'peak memory':>11}  {'tokens/s':>10}  outcome"]
@@ -467,12 +231,12 @@ def report(result: dict, global_batch: int, dp: int) -> str:
         speed = f"{t['tokens_per_s']:,.0f}" if t["tokens_per_s"] else "-"
         outcome = t["outcome"] + (f": {t['detail']}" if t["outcome"] in (OVER_BUDGET, OOM, KILLED) else "")
         lines.append(
-            f"{t['micro']:>6}  {'yes' if t['outcome'] == FITS else 'no':<4}  {_gib(t['peak_bytes']):>11}  "
+            f"{t['micro']:>6}  {'yes' if t['outcome'] == FITS else 'no':<4}  {gib(t['peak_bytes']):>11}  "
             f"{speed:>10}  {outcome}"
         )
     best = result["largest_micro_batch"]
     budget = result["budget_bytes"]
-    limit = f"a memory budget of {_gib(budget)} ({result['budget_source']})" if budget else result["budget_source"]
+    limit = f"a memory budget of {gib(budget)} ({result['budget_source']})" if budget else result["budget_source"]
     if not best:
         lines += [
             "",

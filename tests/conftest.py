@@ -37,7 +37,7 @@ def ecoli_fasta(tmp_path_factory) -> str:
 # ----- end of data layer block ----------------------------------------------------------------------------
 
 
-# ----- Slurm cluster (tests/test_slurm.py; the harness is tests/slurm_cluster.py) -------------------------------
+# ----- Slurm cluster (tests/test_slurm.py; the harness is tests/support/slurm_cluster.py) ---------------------
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +47,7 @@ def slurm_cluster():
     (it must be root to start jobs); a cluster that is installed but does not come up is an error."""
     import os
 
-    from slurm_cluster import SlurmCluster, missing_binaries
+    from support.slurm_cluster import SlurmCluster, missing_binaries
 
     missing = missing_binaries()
     if missing:

@@ -21,9 +21,10 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, world_of_one
+from support.helpers import REPO, final_ds_config, world_of_one
+from support.saved import param_storages, saved_bytes
 
-from megagenome.config import ModelConfig, RootConfig
+from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import DNATransformer
 from megagenome.model.layers import Block
@@ -66,7 +67,7 @@ def deepspeed_checkpoint():
 
     with world_of_one():
         block = json.loads((REPO / "ds_configs" / "activation_checkpointing.json").read_text())
-        ds_config = engine.build_ds_config(RootConfig(), block, dp_size=1, on_gpu=False)  # as pretrain.py builds it
+        ds_config = final_ds_config(block)  # as pretrain builds it
         yield engine.activation_checkpoint_function(ds_config)
 
 
@@ -88,41 +89,6 @@ def test_gradients_equal_no_checkpointing(policy, checkpoint_fn):
     assert sorted(got) == sorted(reference)
     worst = max(float((got[n] - reference[n]).abs().max()) for n in got)
     assert all(torch.equal(got[n], reference[n]) for n in got), f"{policy}: max difference {worst:.3g}"
-
-
-def saved_bytes(forward, exclude: set[int]) -> int:
-    """Bytes of the distinct storages kept for backward by `forward()`, minus the storages in `exclude`.
-
-    Autograd's saved tensors are seen by saved_tensors_hooks. DeepSpeed's checkpoint keeps its inputs on the
-    autograd node instead (ctx.deepspeed_saved_tensors), out of the hooks' sight, so the graph is walked too.
-    """
-    storages: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in exclude:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        out = forward()  # kept alive until counted, so no saved storage is freed and its address reused
-    outputs = out if isinstance(out, tuple) else (out,)
-    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    visited = set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        for t in getattr(node, "deepspeed_saved_tensors", None) or ():
-            if isinstance(t, torch.Tensor):
-                keep(t)
-        todo += [next_node for next_node, _ in node.next_functions]
-    return sum(storages.values())
-
-
-def param_storages(module: torch.nn.Module) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in module.parameters()}
 
 
 def model_saved_bytes(policy: str, checkpoint_fn=None) -> int:

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import DATA, REPO
+from support.helpers import DATA, REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import loader as bench  # noqa: E402

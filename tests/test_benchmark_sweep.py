@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from helpers import DATA, REPO
+from support.helpers import DATA, REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import peers  # noqa: E402

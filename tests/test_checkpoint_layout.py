@@ -12,25 +12,18 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, cli, copy_genome, tiny_config, write_yaml
-from test_cli import parse
+from support.helpers import REPO, cli, copy_genome, final_ds_config, tiny_config, write_yaml
+from support.helpers import run_config as parse
 
+from megagenome.assembly import validate
 from megagenome.config import ConfigError
-from megagenome.pretrain import prepare
+from megagenome.parallel.layout import ParallelLayout
 from megagenome.train import checkpoint, universal
-from megagenome.train import engine as seam
+from megagenome.train.ds_config import check_ds_config
 
 
 def layout(world_size=2, tensor=1, pipeline=1, sequence=1, zero_stage=1) -> dict:
-    dp = world_size // (tensor * pipeline * sequence)
-    return {
-        "world_size": world_size,
-        "tensor": tensor,
-        "pipeline": pipeline,
-        "sequence": sequence,
-        "data_parallel": dp,
-        "zero_stage": zero_stage,
-    }
+    return ParallelLayout(world_size, tensor, sequence, pipeline, zero_stage).record()
 
 
 def fake_tag(tmp_path, saved: dict | None, step: int = 3, universal: bool = False, shards: int = 0):
@@ -152,14 +145,16 @@ def test_convert_refuses_to_overwrite(tmp_path):
 def test_universal_flag_sets_load_universal_and_the_json_may_not(tmp_path):
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path / "genome")
     cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run"))])
-    assert "checkpoint" not in seam.build_ds_config(cfg, {}, 1, on_gpu=False)
-    cfg.checkpoint.universal = True
-    built = seam.build_ds_config(cfg, {"zero_optimization": {"stage": 1}}, 1, on_gpu=False)
+    assert "checkpoint" not in final_ds_config({}, cfg.train)
+    from megagenome.train.ds_config import build_ds_config
+
+    batch = ParallelLayout(1).batch(cfg.train)
+    built = build_ds_config({"zero_optimization": {"stage": 1}}, batch, cfg.train, universal=True, on_gpu=False)
     assert built["checkpoint"] == {"load_universal": True}
-    (msg,) = seam.check_ds_config({"checkpoint": {"load_universal": True}}, "x.json", "run.yaml", on_gpu=False)
+    (msg,) = check_ds_config({"checkpoint": {"load_universal": True}}, "x.json", "run.yaml", on_gpu=False)
     assert "'checkpoint.load_universal' is set in both x.json and the run config run.yaml" in msg
     assert "--checkpoint.universal" in msg
-    assert seam.check_ds_config({"checkpoint": {"tag_validation": "Warn"}}, "x.json", "run.yaml", False) == []
+    assert check_ds_config({"checkpoint": {"tag_validation": "Warn"}}, "x.json", "run.yaml", False) == []
 
 
 def test_universal_flag_without_a_checkpoint_is_a_config_error(tmp_path):
@@ -169,18 +164,18 @@ def test_universal_flag_without_a_checkpoint_is_a_config_error(tmp_path):
     config["checkpoint"]["universal"] = True
     cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", config)])
     with pytest.raises(ConfigError, match="--checkpoint.universal true but --checkpoint.resume=auto names no"):
-        prepare(cfg, files, world_size=1)
+        validate(cfg, files, world_size=1)
 
 
-def test_prepare_refuses_another_world_size_before_any_process_group(tmp_path):
+def test_validation_refuses_another_world_size_before_any_process_group(tmp_path):
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path / "genome")
     config = tiny_config(tmp_path, fasta, tmp_path / "run")
     config["train"]["ds_config"] = str(REPO / "ds_configs" / "zero1.json")
     fake_tag(tmp_path, layout(2))  # tmp_path/run/checkpoints/step_00000003, found by --checkpoint.resume auto
     cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", config)])
     with pytest.raises(ConfigError, match="saved by 2 ranks .* this run has 1 rank"):
-        prepare(cfg, files, world_size=1)
-    prepare(cfg, files, world_size=2).data.close()  # the layout that wrote it
+        validate(cfg, files, world_size=1)
+    validate(cfg, files, world_size=2).data.close()  # the layout that wrote it
 
 
 def test_tensor_parallel_model_records_how_to_merge_its_shards():

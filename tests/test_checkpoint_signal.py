@@ -16,10 +16,10 @@ import time
 
 import psutil
 import pytest
-from helpers import BIN, REPO, copy_genome, env, free_port, launch, signal_run_config
-from helpers import SIGNAL_STEPS as STEPS
-from test_loop import StandInEngine
-from test_loop import plan as loop_plan
+from support.helpers import BIN, REPO, copy_genome, env, free_port, launch, signal_run_config
+from support.helpers import SIGNAL_STEPS as STEPS
+from support.stand_in import StandInEngine, step_of
+from support.stand_in import plan as loop_plan
 
 from megagenome.config import RootConfig, signal_number, validate
 from megagenome.metrics import MetricsWriter, read_metrics
@@ -50,12 +50,11 @@ def run_fit(tmp_path, engine, the_plan, reduce_sum=lambda v: v):
         fit(
             engine,
             the_plan,
-            train_batch=lambda step, micro: {},
+            train_step=step_of(engine)[0],
             run_eval=lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
             save_checkpoint=saved.append,
             writer=writer,
             reduce_sum=reduce_sum,
-            to_device=lambda b: b,
             progress=False,
         )
     finally:
@@ -84,15 +83,15 @@ def test_saved_checkpoint_is_the_stop_step(tmp_path):
     saved = []
     writer = MetricsWriter(str(tmp_path / "m.jsonl"), enabled=True)
     with pytest.raises(Preempted):
+        engine = FakeEngine(during_step={4: send_usr1})
         fit(
-            FakeEngine(during_step={4: send_usr1}),
+            engine,
             plan(),
-            train_batch=lambda step, micro: {},
+            train_step=step_of(engine)[0],
             run_eval=lambda: {},
             save_checkpoint=saved.append,
             writer=writer,
             reduce_sum=lambda v: v,
-            to_device=lambda b: b,
             progress=False,
         )
     assert saved == [4]
@@ -138,12 +137,10 @@ def test_signal_flag_parsing_and_validation():
     cfg = RootConfig()
     cfg.data.fasta = "x.fa"
     cfg.data.val_ranges = ["c:1-10"]
-    assert not any("checkpoint.signal" in p for p in validate(cfg, 1))
+    assert not any("checkpoint.signal" in p for p in validate(cfg))
     for bad in ("SIGKILL", "STOP", "USR3"):
         cfg.checkpoint.signal = bad
-        assert any(
-            p.startswith(f"--checkpoint.signal={bad}: not a signal a process can catch") for p in validate(cfg, 1)
-        )
+        assert any(p.startswith(f"--checkpoint.signal={bad}: not a signal a process can catch") for p in validate(cfg))
 
 
 # ----- tier 3: the real launcher ------------------------------------------------------------------------------
@@ -193,7 +190,7 @@ def test_signal_to_one_rank_checkpoints_and_resume_equals_uninterrupted(run_conf
             proc.kill()
             proc.communicate()
     # 75 from the launcher (it passes on the first failing rank's code); a rare rank abort at interpreter teardown
-    # (PLATFORM.md) changes the code but not what was saved.
+    # (docs/platform.md) changes the code but not what was saved.
     assert proc.returncode == PREEMPTED_EXIT or "terminate called" in err, (proc.returncode, err[-4000:])
     stopped = re.search(rf"stopped: SIGUSR1 received: checkpoint of step (\d+) \(of {STEPS}\) saved", err)
     assert stopped, err[-4000:]
@@ -221,15 +218,15 @@ def test_a_signal_during_start_up_stops_after_the_first_step(tmp_path):
         saved = []
         with pytest.raises(Preempted) as caught:
             writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
+            engine = FakeEngine()
             fit(
-                FakeEngine(),
+                engine,
                 plan(),
-                train_batch=lambda step, micro: {},
+                train_step=step_of(engine)[0],
                 run_eval=lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
                 save_checkpoint=saved.append,
                 writer=writer,
                 reduce_sum=lambda v: v,
-                to_device=lambda b: b,
                 progress=False,
                 stop=stop,
             )

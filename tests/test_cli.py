@@ -4,11 +4,12 @@ import json
 import pathlib
 
 import pytest
-from helpers import REPO, copy_genome, tiny_config, write_yaml
+from support.helpers import REPO, copy_genome, tiny_config, write_yaml
 
 from megagenome import cli
-from megagenome.config import ConfigError, RootConfig
-from megagenome.pretrain import prepare
+from megagenome.assembly import validate
+from megagenome.config import ConfigError
+from megagenome.config.load import config_files, root_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -18,9 +19,7 @@ def parse(argv):
     """Parse like `megagenome pretrain ARGV` and return (RootConfig, config files)."""
     parser = cli.build_parser()
     ns = parser.parse_args(["pretrain", *argv])
-    files = [str(p) for p in (ns.pretrain.get("config") or []) if p is not None]
-    c = parser.instantiate(ns).pretrain
-    return cli.root_config(c), files
+    return root_config(parser.instantiate(ns).pretrain), config_files(ns.pretrain)
 
 
 def test_help_comes_from_field_docstrings(capsys):
@@ -47,17 +46,17 @@ def test_print_config_round_trips(capsys, tmp_path):
 def test_every_shipped_yaml_parses_and_validates(path, monkeypatch):
     monkeypatch.chdir(REPO)
     cfg, files = parse(["--config", str(path), "--log.run_dir", "/nonexistent/never-written"])
-    prep = prepare(cfg, files, world_size=2)
+    validated = validate(cfg, files, world_size=2)
     try:
-        assert prep.data.train_sampler.num_windows > 0
-        assert prep.ds_json
+        assert validated.data.train_sampler.num_windows > 0
+        assert validated.ds_json
     finally:
-        prep.data.close()
+        validated.data.close()
 
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=[p.name for p in DS_CONFIGS])
 def test_every_shipped_ds_json_is_accepted(path):
-    from megagenome.train.engine import check_ds_config, load_ds_json
+    from megagenome.train.ds_config import check_ds_config, load_ds_json
 
     ds = load_ds_json(str(path))
     # bf16.json accumulates gradients in fp32, which DeepSpeed allows from ZeRO stage 1 on: a fragment to pair
@@ -97,7 +96,7 @@ def test_shipped_fragments_compose_through_the_cli(tmp_path, capsys, monkeypatch
 
 
 def test_conflicting_fragments_name_the_key_and_both_files(tmp_path):
-    from megagenome.train.engine import merge_fragments
+    from megagenome.train.ds_config import merge_fragments
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
@@ -109,24 +108,23 @@ def test_conflicting_fragments_name_the_key_and_both_files(tmp_path):
 
 
 def test_engine_knob_problems_need_the_run_config(tmp_path):
-    from megagenome.train.engine import check_ds_config, check_run_against_ds
+    from megagenome.train.ds_config import check_ds_config, run_problems
+    from megagenome.train.engine import nvme_problems
 
-    cfg = RootConfig()
     ac = {"activation_checkpointing": {"cpu_checkpointing": True}}
     assert any("needs partition_activations" in p for p in check_ds_config(ac, "ac.json", "run.yaml", False))
-    assert any("--model.checkpointing=none" in p for p in check_run_against_ds(cfg, ac, "ac.json"))
-    cfg.model.checkpointing = "full"
-    assert check_run_against_ds(cfg, ac, "ac.json") == []
+    assert any("--model.checkpointing=none" in p for p in run_problems(ac, "ac.json", "none", False, None))
+    assert run_problems(ac, "ac.json", "full", False, None) == []
+    assert run_problems(ac, "ac.json", "none", True, None) == []  # pipeline stages recompute segments
     nvme = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
-    problems = check_run_against_ds(cfg, nvme, "zero3_nvme.json")
-    assert any("--train.nvme_path" in p for p in problems)
-    cfg.train.nvme_path = str(tmp_path)
+    assert any("--train.nvme_path" in p for p in run_problems(nvme, "zero3_nvme.json", "full", False, None))
+    assert run_problems(nvme, "zero3_nvme.json", "full", False, str(tmp_path)) == []
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if AsyncIOBuilder().is_compatible(verbose=False):
-        assert check_run_against_ds(cfg, nvme, "zero3_nvme.json") == []
+        assert nvme_problems() == []
     else:  # this machine has no libaio: the message says what to install
-        assert ["libaio" in p for p in check_run_against_ds(cfg, nvme, "zero3_nvme.json")] == [True]
+        assert ["libaio" in p for p in nvme_problems()] == [True]
 
 
 def test_cli_overrides_beat_yaml():
@@ -179,7 +177,7 @@ def test_bad_ds_json_reports_line_and_column(tmp_path):
         ]
     )
     with pytest.raises(ConfigError, match=r"ds.json:2:2: not valid JSON"):
-        prepare(cfg, files, world_size=1)
+        validate(cfg, files, world_size=1)
 
 
 def test_root_owned_key_in_ds_json_names_both_files(tmp_path):
@@ -189,7 +187,7 @@ def test_root_owned_key_in_ds_json_names_both_files(tmp_path):
     run_yaml = write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run"))
     cfg, files = parse(["--config", run_yaml, "--train.ds_config", str(ds)])
     with pytest.raises(ConfigError) as e:
-        prepare(cfg, files, world_size=1)
+        validate(cfg, files, world_size=1)
     assert str(ds) in str(e.value) and run_yaml in str(e.value)
 
 
@@ -206,7 +204,7 @@ def test_resume_dir_without_complete_checkpoint_is_refused(tmp_path):
         ]
     )
     with pytest.raises(ConfigError, match="no complete checkpoint"):
-        prepare(cfg, files, world_size=1)
+        validate(cfg, files, world_size=1)
 
 
 def test_fresh_start_refuses_to_overwrite_checkpoints(tmp_path):
@@ -221,7 +219,7 @@ def test_fresh_start_refuses_to_overwrite_checkpoints(tmp_path):
         ]
     )
     with pytest.raises(ConfigError, match="already holds checkpoints"):
-        prepare(cfg, files, world_size=1)
+        validate(cfg, files, world_size=1)
 
 
 def test_malformed_fasta_is_a_config_problem(tmp_path):
@@ -229,7 +227,7 @@ def test_malformed_fasta_is_a_config_problem(tmp_path):
     bad.write_text(">a\nACGT\n>a\nACGT\n")
     cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, str(bad), tmp_path / "run"))])
     with pytest.raises(ConfigError, match="bad.fa"):
-        prepare(cfg, files, world_size=1)
+        validate(cfg, files, world_size=1)
 
 
 def test_launcher_local_rank_argument_is_accepted():
@@ -243,3 +241,56 @@ def test_readme_commands_exist():
     test_cmd = next(line.strip() for line in ci.splitlines() if "pytest" in line and "pip install" in line)
     assert test_cmd in readme, "the README's test command must be the one .ci/run runs"
     assert pathlib.Path(REPO / "launch" / "local.sh").exists()
+
+
+# ----- find-micro-batch's flags (the search itself: tests/test_tune.py) ----------------------------------------
+
+
+@pytest.fixture
+def find_micro_yaml(tmp_path):
+    cfg = tiny_config(tmp_path, copy_genome("phiX174_NC_001422.1.fna", tmp_path), tmp_path / "run")
+    return write_yaml(tmp_path / "run.yaml", cfg)
+
+
+def test_bad_flags_exit_2_naming_each(find_micro_yaml, capsys):
+    code = cli.main(
+        [
+            "find-micro-batch",
+            "--config",
+            find_micro_yaml,
+            "--max_micro",
+            "0",
+            "--steps",
+            "0",
+            "--memory_budget_gb",
+            "-1",
+            "--data_parallel",
+            "0",
+            "--parallel.tensor",
+            "2",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    for flag in ("--max_micro=0", "--steps=0", "--memory_budget_gb=-1", "--data_parallel=0", "--parallel.tensor=2"):
+        assert flag in err, err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["find-micro-batch", "--config", find_micro_yaml, "--max_micro", "many"])
+    assert e.value.code == 2 and "max_micro" in capsys.readouterr().err
+
+
+def test_config_problems_exit_2_before_any_trial(find_micro_yaml, capsys, monkeypatch):
+    from megagenome import tune
+
+    monkeypatch.setattr(tune, "run_trial", lambda *a, **k: pytest.fail("a trial ran"))
+    assert cli.main(["find-micro-batch", "--config", find_micro_yaml, "--data.seq_len", "4096"]) == 2
+    assert "--data.seq_len=4096" in capsys.readouterr().err
+
+
+def test_help_states_the_single_process_assumption(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["find-micro-batch", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "world of ONE process" in text and "conservative (fits on one rank => fits on more)" in text
+    assert "--memory_budget_gb" in text and "--data_parallel" in text

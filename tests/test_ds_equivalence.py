@@ -10,70 +10,35 @@ loss and the final weights (the run's last checkpoint, consolidated by DeepSpeed
   the same stage in memory;
 - stopping at step 3 and resuming equals the uninterrupted run, at ZeRO 0-3 and with both offloads;
   dropout is on there, so the per-rank RNG state must be restored too;
-- bf16 (zero1.json + bf16.json) trains: the loss falls, grad norms are finite, and it tracks fp32.
+- bf16 (zero1.json + bf16.json) trains: the loss falls, grad norms are finite, and it tracks fp32;
+- a finished run assembled again from its directory (assembly.from_run_dir: config.yaml, newest checkpoint) on the
+  same ranks scores its held-out windows exactly as the run logged them.
 
 A `deepspeed` launch costs ~10 s on CPU, so every scenario of one world size runs in one process group:
-tests/ds_scenarios.py calls `pretrain.run` (the CLI's code path, configs parsed by the CLI's parser) once
-per scenario, and is started once for 2 ranks (the real launcher) and once for 1 rank (no launcher).
-Success is judged by what each run wrote (summary.json, COMPLETE markers), not by the exit code alone:
-about 1 in 15 two-rank CPU runs aborts at interpreter teardown after finishing (PLATFORM.md).
-
-Tolerances are absolute and measured (fp32, 6 steps of AdamW at lr 3e-3, d_model 32, 2 layers, repeated
-runs give identical numbers). Largest differences seen: losses 2.4e-7 (one float32 ulp at ~2 nats), weights
-1.2e-7 (one ulp of a norm weight near 1.0; matrices <= 1.3e-8); resumed runs and the repeated scenario are
-bit-identical and are compared exactly. A 0.1% change of lr in one run moves the losses by ~1e-4 and the
-weights by ~1.5e-5, so it fails every comparison below.
+support/worker.py calls `pretrain.run` once per scenario, and is started once for 2 ranks (the real launcher)
+and once for 1 rank (no launcher). support/runs.py reads the runs back and holds the measured tolerances.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 
 import pytest
-import torch
-from helpers import BIN, PYTHON, REPO, copy_genome, env, free_port, tiny_config
-
-from megagenome.metrics import read_metrics
+from support.helpers import copy_genome
+from support.runs import (
+    BF16_LOSS_ATOL,
+    STEPS,
+    STOP,
+    Runs,
+    assert_equivalent,
+    ds,
+    max_abs_diff,
+    run_worker,
+    scenario,
+)
 
 pytestmark = pytest.mark.slow
-
-STEPS = 6
-STOP = 3  # the split runs stop here and resume to STEPS
-LOSS_ATOL = 1e-6  # nats/token, per logged step and for the final held-out loss
-WEIGHT_ATOL = 1e-6  # every element of every parameter
-BF16_LOSS_ATOL = 5e-3  # bf16 against fp32, per step and final held-out loss
-# Dropout in every scenario but the accumulation pairs (whose masks depend on the micro-batch shape), so that
-# a resumed run must also restore each rank's RNG state to match.
-DROPOUT = 0.1
-WORKER_TIMEOUT_S = 300  # a normal worker takes ~1 min; a rank stuck in a collective would wait 30 min (gloo)
-
-
-def ds(*names: str) -> str | list[str]:
-    paths = [str(REPO / "ds_configs" / f"{n}.json") for n in names]
-    return paths[0] if len(paths) == 1 else paths
-
-
-def scenario(root, fasta: str, name: str, ds_config, micro: int, accum: int = 1, dropout: float = DROPOUT, **train):
-    cfg = tiny_config(root, fasta, root / name)
-    cfg["model"]["dropout"] = dropout
-    cfg["train"].update(
-        {
-            "ds_config": ds_config,
-            "micro_batch_size": micro,
-            "grad_accum_steps": accum,
-            "max_steps": STEPS,
-            # Evaluate at the stop too: pretrain's summary printout fails on a run stopped before any evaluation.
-            "eval_interval": STOP,
-            **train,
-        }
-    )
-    cfg["checkpoint"] = {"interval": 0, "resume": "auto", "keep_last": 2}
-    return {"name": name, "config": cfg}
-
 
 ZERO = ["zero0", "zero1", "zero2", "zero3"]
 OFFLOAD = {"zero2_offload": "zero2", "zero3_offload": "zero3"}
@@ -95,7 +60,11 @@ def two_rank_scenarios(root, fasta: str) -> list[dict]:
     # scenario again, which must come out bit-identical if the scenarios do not leak state into each other.
     split_b = [scenario(root, fasta, f"resume_{c}", ds(c), 4) for c in RESUMED]
     again = [scenario(root, fasta, "zero3_again", ds("zero3"), 4)]
-    return first + split_a + full + accum + bf16 + split_b + again
+    # assembly.from_run_dir on a finished 2-rank ZeRO-1 run (what evaluation and export build on).
+    check = "support.assembly_checks:from_run_dir_evaluates"
+    reassembled = {"name": "reassembled", "check": check, "run_dir": str(root / "reassembled")}
+    reassembled["args"] = {"trained": str(root / "zero1")}
+    return first + split_a + full + accum + bf16 + split_b + again + [reassembled]
 
 
 def one_rank_scenarios(root, fasta: str) -> list[dict]:
@@ -105,71 +74,6 @@ def one_rank_scenarios(root, fasta: str) -> list[dict]:
         out.append(scenario(root, fasta, f"{c}_micro2_accum2", ds(c), 2, 2, dropout=0.0))
     out.append(scenario(root, fasta, "zero0_micro8", ds("zero0"), 8, dropout=0.0))  # global batch 8, like 2 ranks
     return out
-
-
-class Runs:
-    """The scenarios of one worker invocation, read back from their run directories."""
-
-    def __init__(self, root, world_size: int, rc: int, log_path):
-        self.root, self.world_size, self.rc, self.log_path = root, world_size, rc, log_path
-
-    def _output_tail(self, name: str) -> str:
-        errors = ""
-        for f in sorted((self.root / name).glob("error_rank*.txt")):
-            errors += f"{f.name}:\n{f.read_text()[-3000:]}\n"
-        tail = self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
-        return f"{errors}worker ({self.world_size} rank(s), rc {self.rc}) output tail:\n{tail}"
-
-    def rows(self, name: str) -> list[dict]:
-        run_dir = self.root / name
-        assert (run_dir / "summary.json").exists(), f"scenario {name} did not finish\n{self._output_tail(name)}"
-        return read_metrics(str(run_dir / "metrics.jsonl"))
-
-    def losses(self, name: str) -> list[float]:
-        """Training loss of steps 1..STEPS (each logged exactly once) and then the final held-out loss."""
-        rows = self.rows(name)
-        train = [r for r in rows if "split" not in r]
-        assert [r["step"] for r in train] == list(range(1, STEPS + 1)), (name, [r["step"] for r in train])
-        final_eval = [r for r in rows if r.get("split") == "val" and r["step"] == STEPS]
-        assert len(final_eval) == 1, (name, rows)
-        return [r["loss"] for r in train] + [final_eval[0]["loss"]]
-
-    def weights(self, name: str) -> dict[str, torch.Tensor]:
-        """fp32 weights of the final checkpoint, consolidated the way DeepSpeed documents."""
-        self.rows(name)
-        ckpt_root = self.root / name / "checkpoints"
-        tag = f"step_{STEPS:08d}"
-        assert (ckpt_root / tag / "COMPLETE").exists(), f"{name}: no complete final checkpoint"
-        ds_config = json.loads((self.root / name / "ds_config.json").read_text())
-        if ds_config.get("zero_optimization", {}).get("stage", 0) == 0:
-            state = torch.load(ckpt_root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        else:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            state = {"module": get_fp32_state_dict_from_zero_checkpoint(str(ckpt_root), tag)}
-        return {k: v.detach().float() for k, v in state["module"].items()}
-
-
-def run_worker(root, scenarios: list[dict], world_size: int, runs_cls: type = Runs) -> Runs:
-    """Run every scenario in one process group of world_size ranks; returns the runs however it ended."""
-    spec = root / "spec.json"
-    log = root / "worker.log"
-    spec.write_text(json.dumps({"scenarios": scenarios, "log": str(root / "scenarios.jsonl")}))
-    script = str(REPO / "tests" / "ds_scenarios.py")
-    if world_size == 1:
-        cmd = [PYTHON, script, "--spec", str(spec)]
-    else:
-        launcher = [str(BIN / "deepspeed"), "--num_gpus", str(world_size), "--master_port", str(free_port())]
-        cmd = [*launcher, script, "--spec", str(spec)]
-    with open(log, "w") as out:
-        # A session of its own, so a hung worker is stopped with every rank the launcher started.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=WORKER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-    return runs_cls(root, world_size, rc, log)
 
 
 @pytest.fixture(scope="module")
@@ -187,26 +91,6 @@ def two_ranks(phix, tmp_path_factory) -> Runs:
 def one_rank(phix, tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("ws1")
     return run_worker(root, one_rank_scenarios(root, phix), 1)
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
-    for k in a:
-        assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-def assert_equivalent(
-    runs_a: Runs, a: str, runs_b: Runs, b: str, loss_atol: float = LOSS_ATOL, weight_atol: float = WEIGHT_ATOL
-) -> None:
-    """Same per-step losses, final held-out loss and final weights, within loss_atol and weight_atol."""
-    la, lb = runs_a.losses(a), runs_b.losses(b)
-    loss_diff = max(abs(x - y) for x, y in zip(la, lb))
-    weight_diff = max_abs_diff(runs_a.weights(a), runs_b.weights(b))
-    where = f"{a} ({runs_a.world_size} rank(s)) vs {b} ({runs_b.world_size})"
-    print(f"{where}: loss {loss_diff:.3g}, weights {weight_diff:.3g}")
-    assert loss_diff <= loss_atol, f"{where}: losses differ by {loss_diff:.3g}\n{la}\n{lb}"
-    assert weight_diff <= weight_atol, f"{where}: weights differ by up to {weight_diff:.3g}"
 
 
 @pytest.mark.parametrize("stage", ZERO[1:])
@@ -275,3 +159,13 @@ def test_bf16_trains_and_tracks_fp32(two_ranks):
     diff = max(diffs)
     print(f"zero1_bf16 vs zero1 (fp32): loss {diff:.3g} (per step {[f'{d:.2g}' for d in diffs]})")
     assert diff <= BF16_LOSS_ATOL, (losses, fp32)
+
+
+def test_a_run_assembled_from_its_directory_scores_as_it_logged(two_ranks):
+    """assembly.from_run_dir (what evaluation and export build on) rebuilds the model and engine of a finished ZeRO-1
+    run from config.yaml and its newest complete checkpoint: its held-out loss is bit-identical to the run's own
+    last eval row, on every rank."""
+    results = two_ranks.checks("reassembled")
+    for r in results:
+        assert r["step"] == STEPS and r["logged"] is not None, r
+        assert r["evaluated"] == {k: r["logged"][k] for k in ("loss", "bits_per_base", "bases")}, r

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, cli, copy_genome, tiny_config, write_yaml
+from support.helpers import REPO, cli, copy_genome, tiny_config, write_yaml
 
 from megagenome.metrics import read_metrics
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import PYTHON, REPO, env
+from support.helpers import PYTHON, REPO, env
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402

@@ -1,42 +1,61 @@
-"""Tier 1: the package's import layers go one way (DESIGN.md), and heavy dependencies stay in their seams."""
+"""Tier 1: the package's import layers go one way (docs/architecture.md, "Layers"), the packages of one layer import
+only what the design allows them, heavy dependencies stay in their seams, and the deepspeed-free commands
+(`megagenome plan`, `pretrain --dry_run`) really import no deepspeed."""
 
 import ast
 import pathlib
+import subprocess
 import sys
+
+from support.helpers import PYTHON, REPO, copy_genome, env, tiny_config, write_yaml
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "megagenome"
 
-# Layer of each module (path relative to the package, without .py). Higher layers may import lower ones.
+# Layer of each module (path relative to the package, without .py); the longest known prefix decides. Higher layers
+# may import lower ones and their own.
 LAYERS = {
+    "__init__": 0,
     "config": 0,
     "metrics": 1,
     "record": 1,
     "cluster": 1,
     "data": 1,
     "model": 1,
-    "parallel/state": 1,
-    "parallel/tensor_parallel": 1,
+    "parallel": 1,
     "planner": 1,
     "train": 2,
-    "parallel": 1,
-    "train/engine": 2,
     "parallel/pipeline": 2,
     "train/loop": 3,
     "train/checkpoint": 3,
+    "assembly": 4,
     "pretrain": 4,
     "prepare": 4,
     "preflight": 4,
     "tune": 4,
+    "trials": 4,
     "plan": 4,
+    "summary": 4,
+    "cluster/commands": 4,
     "cli": 5,
     "__main__": 5,
-    "__init__": 0,
+}
+# What each L1 package may import of the other L1 packages (the config layer is open to all): datasets import no
+# model code and the model no data code; parallel layers are applied to the model from outside, never the other way.
+L1_ALLOWED = {
+    "data": {"data"},
+    "model": {"model"},
+    "parallel": {"parallel"},
+    "planner": {"planner", "metrics", "parallel"},
+    "metrics": {"metrics"},
+    "record": {"record"},
+    "cluster": {"cluster", "record"},
 }
 SEAMS = {
     "deepspeed": {"train/engine", "train/universal", "train/memory", "parallel/pipeline"},
     "flash_attn": {"model/attention"},
     "pyfaidx": {"data/fasta"},
     "pysam": {"data/variants"},
+    "jsonargparse": {"config/load", "cli"},
 }
 
 
@@ -51,51 +70,110 @@ def layer_of(rel: str) -> int:
 def modules():
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).with_suffix("").as_posix()
+        package = rel.rsplit("/", 1)[0] if "/" in rel else ""  # the package a relative import starts from
         rel = rel[: -len("/__init__")] if rel.endswith("/__init__") else rel
-        yield rel, ast.parse(path.read_text())
+        if path.name == "__init__.py":
+            package = rel
+        yield rel, package, ast.parse(path.read_text())
 
 
-def imported(tree):
+def imported(tree, package: str):
+    """Every module name `tree` imports, relative imports resolved against `package` ("train" for train/loop.py)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from . import x / from ..config import y: climb level - 1 packages from `package`
+                parts = package.split("/") if package else []
+                parts = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+                base = ".".join(["megagenome", *parts] + ([node.module] if node.module else []))
             # `from megagenome.train import engine` imports megagenome.train.engine
-            yield from (f"{node.module}.{a.name}" for a in node.names)
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def internal(name: str) -> str | None:
+    return name[len("megagenome.") :].replace(".", "/") if name.startswith("megagenome.") else None
 
 
 def test_imports_go_down_only():
     bad = []
-    for rel, tree in modules():
-        for name in imported(tree):
-            if not name.startswith("megagenome."):
-                continue
-            target = name[len("megagenome.") :].replace(".", "/")
+    for rel, package, tree in modules():
+        for target in filter(None, map(internal, imported(tree, package))):
             if layer_of(target) > layer_of(rel):
                 bad.append(f"{rel} (L{layer_of(rel)}) imports {target} (L{layer_of(target)})")
     assert not bad, "\n".join(bad)
 
 
-def test_data_and_model_never_import_each_other():
-    for rel, tree in modules():
-        for name in imported(tree):
-            if rel.startswith("data") and name.startswith("megagenome.model"):
-                raise AssertionError(f"{rel} imports {name}")
-            if rel.startswith("model") and name.startswith("megagenome.data"):
-                raise AssertionError(f"{rel} imports {name}")
+def test_l1_packages_import_only_what_the_design_allows():
+    bad = []
+    for rel, package, tree in modules():
+        if layer_of(rel) != 1:
+            continue
+        own = rel.split("/")[0]
+        for target in filter(None, map(internal, imported(tree, package))):
+            top = target.split("/")[0]
+            if top != "config" and top not in L1_ALLOWED[own]:
+                bad.append(f"{rel} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checks_see_relative_imports():
+    """The two checks above resolve `from ..x import y`: a relative import that climbs a layer is caught too."""
+    tree = ast.parse("from ..train import loop\nfrom . import sequence\nfrom .layout import ParallelLayout\n")
+    names = list(imported(tree, "parallel"))
+    assert names == [
+        "megagenome.train.loop",
+        "megagenome.parallel.sequence",
+        "megagenome.parallel.layout.ParallelLayout",
+    ]
+    assert layer_of(internal(names[0])) > layer_of("parallel/state")  # would be reported
 
 
 def test_heavy_dependencies_stay_in_their_seams():
     bad = []
-    for rel, tree in modules():
-        for name in imported(tree):
+    for rel, package, tree in modules():
+        for name in imported(tree, package):
             top = name.split(".")[0]
             if top in SEAMS and rel not in SEAMS[top]:
                 bad.append(f"{rel} imports {name}")
     assert not bad, "\n".join(bad)
 
 
-def test_config_imports_only_the_standard_library():
-    tree = dict(modules())["config"]
-    third_party = {n.split(".")[0] for n in imported(tree)} - set(sys.stdlib_module_names)
-    assert not third_party, third_party
+def test_config_sections_and_checks_import_only_the_standard_library():
+    trees = {rel: (package, tree) for rel, package, tree in modules()}
+    for rel in ("config", "config/sections", "config/checks"):
+        package, tree = trees[rel]
+        outside = {n.split(".")[0] for n in imported(tree, package)} - set(sys.stdlib_module_names) - {"megagenome"}
+        assert not outside, (rel, outside)
+
+
+def test_nothing_but_the_command_line_imports_the_cli():
+    bad = [
+        rel
+        for rel, package, tree in modules()
+        if rel not in ("cli", "__main__") and any(internal(n) == "cli" for n in imported(tree, package))
+    ]
+    assert not bad, bad
+
+
+def test_plan_and_dry_run_import_no_deepspeed(tmp_path):
+    """The planner and --dry_run merge and check the DeepSpeed JSON (train/ds_config.py) without the engine seam: in
+    a fresh interpreter, after each command, no deepspeed module is loaded."""
+    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
+    cfg = tiny_config(tmp_path, fasta, tmp_path / "run")
+    cfg["train"]["ds_config"] = [str(REPO / "ds_configs" / "zero3_nvme.json"), str(REPO / "ds_configs" / "bf16.json")]
+    cfg["train"]["nvme_path"] = str(tmp_path)
+    config = write_yaml(tmp_path / "run.yaml", cfg)
+    script = f"""
+import sys
+from megagenome import cli
+assert cli.main(["pretrain", "--config", {config!r}, "--dry_run"]) == 0
+assert cli.main(["plan", "--config", {config!r}, "--gpus", "8", "--json"]) == 0
+loaded = sorted(m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed."))
+print("DEEPSPEED_MODULES", loaded)
+"""
+    proc = subprocess.run([PYTHON, "-c", script], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DEEPSPEED_MODULES []" in proc.stdout, proc.stdout[-2000:]
+    assert '"stage": 3' in proc.stdout and '"nvme_path":' in proc.stdout  # the dry run's final dict was printed

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from support.helpers import REPO
 
 
 def ruff() -> list[str]:

@@ -2,56 +2,17 @@
 
 A mock here on purpose: DeepSpeed's fp16 path cannot run on the CPU accelerator ("Type fp16 is not
 supported on your device"), so the overflow handling megagenome adds around engine.step() is tested
-against an object with the engine's interface. The real fp16 engine is exercised by the GPU-marked
-tests in tests/test_fp16_gpu.py.
+against an object with the engine's interface (support/stand_in.py). The real fp16 engine is exercised by the
+GPU-marked tests in tests/test_fp16_gpu.py.
 """
 
 import pytest
 import torch
+from support.stand_in import StandInEngine, plan, step_of
 
 from megagenome.metrics import MetricsWriter, read_metrics
-from megagenome.train.loop import LoopPlan, TrainingStopped, fit
-
-
-class StandInEngine:
-    """The interface of a DeepSpeed engine that fit() uses, on a 2x2 linear layer, fp32; subclasses change step()."""
-
-    def __init__(self):
-        self.device = torch.device("cpu")
-        self.module = torch.nn.Linear(2, 2)
-        self.calls = 0
-
-    def __call__(self, **batch):
-        loss = (self.module.weight**2).sum()
-        return loss, loss.detach(), torch.tensor(1.0)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        self.calls += 1
-        self.module.zero_grad()
-
-    def train(self):
-        pass
-
-    def eval(self):
-        pass
-
-    def fp16_enabled(self):
-        return False
-
-    def bfloat16_enabled(self):
-        return False
-
-    def zero_optimization(self):
-        return False
-
-    def get_lr(self):
-        return [1e-3]
-
-    def get_global_grad_norm(self):
-        return None
+from megagenome.summary import print_summary
+from megagenome.train.loop import TrainingStopped, fit
 
 
 class FakeFp16Engine(StandInEngine):
@@ -77,37 +38,19 @@ class FakeFp16Engine(StandInEngine):
         return True
 
 
-def plan(max_steps=5, log_interval=1, stop_signal=None):
-    return LoopPlan(
-        start_step=0,
-        max_steps=max_steps,
-        stop_at=max_steps,
-        grad_accum=1,
-        global_batch=1,
-        seq_len=4,
-        log_interval=log_interval,
-        eval_interval=0,
-        ckpt_interval=0,
-        flops_per_token=1.0,
-        peak_tflops=None,
-        world_size=1,
-        rank=0,
-        stop_signal=stop_signal,
-    )
-
-
 def run_fit(engine, tmp_path, saved):
     writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
+    step, tokens = step_of(engine)
     return fit(
         engine,
         plan(),
-        lambda step, micro: {},
+        step,
         lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
         saved.append,
         writer,
         lambda values: values,
-        lambda batch: batch,
         progress=False,
+        tokens=tokens,
     )
 
 
@@ -137,9 +80,7 @@ def test_other_engine_errors_are_not_swallowed(tmp_path):
 
 
 def test_summary_of_a_run_stopped_before_any_evaluation(capsys):
-    from megagenome.pretrain import _print_summary
-
-    _print_summary(
+    print_summary(
         {
             "run_dir": "r",
             "parameters": 10,
@@ -176,7 +117,8 @@ def test_accounting_columns(tmp_path):
 
     writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
     evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
-    fit(engine, p, train_batch, lambda: evaluated, lambda s: None, writer, reduce_sum, lambda b: b, False)
+    step, tokens = step_of(engine, train_batch)
+    fit(engine, p, step, lambda: evaluated, lambda s: None, writer, reduce_sum, False, tokens)
     rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "split" not in r]
     assert calls == [3 + 2] * 3  # loss, real tokens, batches, one memory slot per rank: one collective per row
     for r in rows:
@@ -197,7 +139,9 @@ def test_ranks_that_do_not_count_tokens_and_batches_without_weights(tmp_path):
     batch = {"loss_weight": torch.ones(1, 4)}
     writer = MetricsWriter(str(tmp_path / "a.jsonl"), enabled=True)
     evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
-    fit(StandInEngine(), p, lambda s, m: batch, lambda: evaluated, [].append, writer, lambda v: v, lambda b: b, False)
+    engine = StandInEngine()
+    step, tokens = step_of(engine, lambda s, m: batch)
+    fit(engine, p, step, lambda: evaluated, [].append, writer, lambda v: v, False, tokens)
     rows = [r for r in read_metrics(str(tmp_path / "a.jsonl")) if "split" not in r]
     assert [r["window_real_tokens"] for r in rows] == [None, None]
     run_fit(StandInEngine(), tmp_path, [])  # batches without loss_weight: nothing to count
@@ -207,9 +151,7 @@ def test_ranks_that_do_not_count_tokens_and_batches_without_weights(tmp_path):
 
 
 def test_summary_shows_mfu_hfu_and_the_peak_source(capsys):
-    from megagenome.pretrain import _print_summary
-
-    _print_summary(
+    print_summary(
         {
             "run_dir": "r",
             "parameters": 10,

@@ -1,6 +1,6 @@
 """Tiers 1-3: per-rank model-state bytes (memory.json) against the ZeRO formulas, 2 ranks, bf16, ZeRO 0-3.
 
-Every scenario runs `megagenome pretrain` through tests/ds_scenarios.py, all in one 2-rank launch of the real
+Every scenario runs `megagenome pretrain` through tests/support/worker.py, all in one 2-rank launch of the real
 `deepspeed` launcher, and is judged by the memory.json it wrote: train/memory.py model_state_bytes() counts the
 tensors the engine holds (not RSS) at step 2, between backward and the optimizer step.
 
@@ -9,7 +9,7 @@ The shipped JSONs reduce gradients in buckets of 5e7 elements, and ZeRO-3 alloca
 (100 MB in bf16, 31 bytes per parameter here): that is a communication buffer, not a model state, so
 model_state_bytes reports it under "buffers", outside the total, and the totals below exclude it.
 
-What DeepSpeed 0.19.8 implements, per rank, N = 2 ranks (DESIGN.md formulas: 16Psi; 4Psi + 12Psi/N;
+What DeepSpeed 0.19.8 implements, per rank, N = 2 ranks (docs/architecture.md formulas: 16Psi; 4Psi + 12Psi/N;
 2Psi + 14Psi/N; 16Psi/N), each category asserted to 1% and the total to 10%:
 
 bf16 with bf16 gradients (bf16.enabled only):
@@ -35,7 +35,7 @@ import signal
 import subprocess
 
 import pytest
-from helpers import BIN, REPO, copy_genome, env, free_port, tiny_config
+from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config
 
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
@@ -96,7 +96,7 @@ def runs(tmp_path_factory):
     launcher = [str(BIN / "deepspeed"), "--num_gpus", str(N), "--master_port", str(free_port())]
     log = root / "worker.log"
     with open(log, "w") as out:
-        cmd = [*launcher, str(REPO / "tests" / "ds_scenarios.py"), "--spec", str(spec)]
+        cmd = [*launcher, str(REPO / "tests" / "support" / "worker.py"), "--spec", str(spec)]
         proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=WORKER_TIMEOUT_S)
@@ -145,7 +145,7 @@ def test_model_state_bytes_per_rank(runs, stage, accum):
         assert got["total"] == sum(got[c] for c in want)
         assert got["total"] == pytest.approx(want_total, rel=0.10)
         if (stage, accum) in [(0, "bf16"), (2, "bf16"), (3, "bf16")]:
-            # DeepSpeed implements DESIGN.md's formula here (ZeRO-3: plus the persistent small parameters).
+            # DeepSpeed implements docs/architecture.md's formula here (ZeRO-3: plus the persistent small parameters).
             assert got["total"] == pytest.approx(formula, rel=0.10)
         if stage == 3:
             # Why buffers are not model states: ZeRO-3's reduction bucket exists at its full configured size.

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from helpers import REPO, world_of_one
+from support.helpers import REPO, final_ds_config, world_of_one
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -136,11 +136,11 @@ def deepspeed_world():
 
 @pytest.fixture(scope="module")
 def deepspeed_checkpoint(deepspeed_world):
-    """DeepSpeed's (reentrant) checkpoint function, configured as pretrain.py configures it."""
+    """DeepSpeed's (reentrant) checkpoint function, configured as the assembly configures it."""
     from megagenome.train import engine
 
     block = json.loads((REPO / "ds_configs" / "activation_checkpointing.json").read_text())
-    return engine.activation_checkpoint_function(engine.build_ds_config(RootConfig(), block, 1, False))
+    return engine.activation_checkpoint_function(final_ds_config(block))
 
 
 CASES = [
@@ -215,7 +215,7 @@ def test_forward_flops_match_deepspeeds_profiler(stage, deepspeed_world, capsys)
     FLOPs without MACs. Ours counts every parameter at 2 FLOPs per token, the norm scales included, so
     ours - 2 x MACs is exactly the norm scales' 2 * (2L + 1) * d per token. Its total FLOPs (elementwise ops
     added) must agree within 1%: the elementwise work of a block is O(d) per token against its O(d^2) matmuls.
-    ZeRO-3 is left out: there the profiler double counts (PLATFORM.md), since partitioned parameters are gathered
+    ZeRO-3 is left out: there the profiler double counts (docs/platform.md), since partitioned parameters are gathered
     by hooks around the modules it hooks too.
     """
     from deepspeed.profiling.flops_profiler import FlopsProfiler
@@ -230,7 +230,7 @@ def test_forward_flops_match_deepspeeds_profiler(stage, deepspeed_world, capsys)
     torch.manual_seed(0)
     model = DNATransformer(cfg.model, VOCAB_SIZE)
     n = model.num_parameters()
-    engine = ds.initialize(model, model.param_groups(0.1), ds.build_ds_config(cfg, ds_json, 1, False))
+    engine = ds.initialize(model, model.param_groups(0.1), final_ds_config(ds_json, cfg.train))
     ids = torch.randint(0, VOCAB_SIZE, (b, s + 1), generator=torch.Generator().manual_seed(2))
     profiler = FlopsProfiler(engine.module, ds_engine=engine)
     profiler.start_profile()
@@ -313,6 +313,6 @@ def test_cpu_matmul_peak_is_measured_quickly():
 
 def test_peak_override_is_validated():
     cfg = RootConfig(log=LogConfig(peak_tflops=0.0))
-    assert any("--log.peak_tflops=0" in p for p in validate(cfg, 1))
+    assert any("--log.peak_tflops=0" in p for p in validate(cfg))
     cfg.log.peak_tflops = 312.0
-    assert not any("peak_tflops" in p for p in validate(cfg, 1))
+    assert not any("peak_tflops" in p for p in validate(cfg))

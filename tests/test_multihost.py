@@ -1,4 +1,4 @@
-"""Tier 3: separate hosts. Two network namespaces stand in for two nodes (tests/netns_hosts.py: each has its own
+"""Tier 3: separate hosts. Two network namespaces stand in for two nodes (tests/support/netns_hosts.py: each has its own
 address on a bridge, its own hostname and its own sshd), and `deepspeed --hostfile` with DeepSpeed's default
 launcher, pdsh over ssh, starts one rank on each.
 
@@ -8,7 +8,7 @@ directory. GLOO_SOCKET_IFNAME goes there because each host's name resolves nowhe
 to loopback and the ranks never meet.
 
 Where namespaces cannot be made (no root, no CAP_NET_ADMIN, sshd not installed) the tests skip with the reason.
-Success is judged by what the run wrote, not only by the exit code (see PLATFORM.md: about one two-rank run in
+Success is judged by what the run wrote, not only by the exit code (see docs/platform.md: about one two-rank run in
 15 has a rank abort at interpreter teardown after finishing its work).
 """
 
@@ -22,18 +22,18 @@ import signal
 import subprocess
 
 import pytest
-from helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
-from netns_hosts import IFNAME, HostsUnavailable, netns_hosts
+from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
+from support.netns_hosts import IFNAME, HostsUnavailable, netns_hosts
 
 from megagenome.metrics import read_metrics
 
-PROBE = str(REPO / "tests" / "netns_hosts.py")
+PROBE = str(REPO / "tests" / "support" / "netns_hosts.py")
 
 SITECUSTOMIZE = """\
 import os, sys
 if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # a rank started by deepspeed.launcher.launch
     sys.path.insert(0, {tests!r})
-    import netns_hosts
+    from support import netns_hosts
     del sys.path[0]
     netns_hosts.write_rank_facts({out!r})
 """

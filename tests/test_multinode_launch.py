@@ -9,7 +9,7 @@
   rank sees at interpreter start.
 
 Success is judged by what the run wrote (summary, env.json, metrics), not only by exit codes: about 1 two-rank
-run in 15 has one rank abort at interpreter teardown after finishing (see PLATFORM.md).
+run in 15 has one rank abort at interpreter teardown after finishing (see docs/platform.md).
 """
 
 import json
@@ -20,7 +20,7 @@ import signal
 import subprocess
 
 import pytest
-from helpers import REPO, copy_genome, env, free_port, tiny_config, write_yaml
+from support.helpers import REPO, copy_genome, env, free_port, tiny_config, write_yaml
 
 from megagenome.metrics import read_metrics
 

@@ -6,7 +6,7 @@ skipped and validation gives the error tested in tests/test_cli.py.
 """
 
 import pytest
-from helpers import REPO, cli, copy_genome, tiny_config, write_yaml
+from support.helpers import REPO, cli, copy_genome, tiny_config, write_yaml
 
 from megagenome.metrics import read_metrics
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megagenome.parallel.state import ParallelState, coords, group_ranks, layout_problems
+from megagenome.parallel.layout import ParallelLayout
+from megagenome.parallel.state import ParallelState, coords, group_ranks
 
 
 def test_megatron_layout_tp2_pp2_dp2():
@@ -28,18 +29,10 @@ def test_every_kind_partitions_the_world(world, tp, pp, sp):
         assert len({(c["sp"], c["dp"], c["pp"]) for c in cs}) == 1
 
 
-def test_layout_problems_list_every_factor():
-    (msg,) = layout_problems(6, tp=4, pp=1)
-    assert "--parallel.tensor=4" in msg and "--parallel.pipeline=1" in msg and "world size 6" in msg
-    assert layout_problems(8, tp=2, pp=2) == []
-    assert any("at least 1" in p for p in layout_problems(8, tp=0, pp=1))
-
-
 def test_state_keeps_this_ranks_groups_and_serves_as_mpu():
     created = []
-    state = ParallelState.build(
-        rank=5, world_size=8, tp=2, pp=2, new_group=lambda ranks: created.append(ranks) or tuple(ranks)
-    )
+    layout = ParallelLayout(world_size=8, tensor=2, pipeline=2)
+    state = ParallelState.build(5, layout, new_group=lambda ranks: created.append(ranks) or tuple(ranks))
     assert len(created) == sum(len(v) for v in group_ranks(8, 2, 2).values())  # every group, on every rank
     assert state.get_tensor_model_parallel_group() == (4, 5)
     assert state.get_tensor_model_parallel_rank() == 1 and state.get_model_parallel_world_size() == 2

@@ -1,15 +1,15 @@
 """Pipeline parallelism (parallel/pipeline.py): DNATransformer as a DeepSpeed PipelineModule.
 
-Tier 1: the run-config checks (pipeline.problems), DeepSpeed's pipe x data topology against ParallelState's rank
-layout, and the refusal of ZeRO-2 with pipeline stages before anything starts (pretrain.prepare, and the real CLI
-with --dry_run).
+Tier 1: DeepSpeed's pipe x data topology against ParallelState's rank layout, and the refusal of ZeRO-2 with
+pipeline stages before anything starts (assembly.validate, and the real CLI with --dry_run); the layout's other
+pipeline rules are tests/test_layout.py's.
 
 Tier 2, in one process (a gloo world of one): a 1-stage PipelineModule built by pipeline.build from a dense
 model computes the dense model's loss and gradients bit for bit (tied and untied head, selective recompute), its
 loss_fn returns the exact sums in evaluation, and --parallel.pipeline_checkpoint_interval recomputes (fewer saved
 activations, the same gradients).
 
-Tier 3 (slow): one launch of tests/ds_scenarios.py on 2 ranks runs every scenario below in one process group:
+Tier 3 (slow): one launch of support/worker.py on 2 ranks runs every scenario below in one process group:
 pp=2 (2 stages, 1 data-parallel rank, micro 4 x accumulation 2) against pp=1 (2 data-parallel ranks, micro 4 x
 accumulation 1): the same 8 windows per step, in the same micro batches. Judged on per-step losses, gradient
 norms and the final held-out loss (metrics.jsonl), and on the final weights, reassembled from the pipeline
@@ -30,7 +30,7 @@ where the dense run averages two ranks), <= 1.3e-7 (relative) in the gradient no
 weights; the assertions allow 1e-6 (a 0.1% change of lr moves losses by ~1e-4, and leaving DeepSpeed's fp32
 ZeRO-0 clipping to count only the first stage's gradients moves them by 1.6e-4). Recomputing activations with
 the same partition and resuming from a checkpoint change nothing: compared exactly. bf16 against fp32: 5e-3
-(as in test_ds_equivalence.py; measured 6e-4).
+(as in tests/test_ds_equivalence.py; measured 6e-4).
 """
 
 from __future__ import annotations
@@ -38,17 +38,17 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 
-import helpers
 import pytest
 import torch
-from helpers import REPO, cli, copy_genome, tiny_config, write_yaml
-from test_activation_checkpointing import param_storages, saved_bytes
-from test_ds_equivalence import BF16_LOSS_ATOL, LOSS_ATOL, STEPS, STOP, WEIGHT_ATOL, Runs, ds, max_abs_diff, run_worker
+from support import helpers
+from support.helpers import REPO, cli, copy_genome, final_ds_config, tiny_config, write_yaml
+from support.runs import BF16_LOSS_ATOL, STEPS, STOP, Runs, assert_equivalent, ds, max_abs_diff, run_worker
+from support.saved import param_storages, saved_bytes
 
-from megagenome import cli as megagenome_cli
+from megagenome.assembly import validate
 from megagenome.config import ConfigError, ModelConfig, ParallelConfig
+from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import DNATransformer
 from megagenome.model.layers import Block
@@ -57,45 +57,7 @@ from megagenome.parallel import pipeline
 DROPOUT = 0.1  # only in the resume pair; every equivalence across layouts runs without dropout
 
 
-def root_config(config: dict):
-    parser = megagenome_cli.pretrain_parser()
-    return megagenome_cli.root_config(parser.instantiate(parser.parse_object(config)))
-
-
 # ----- tier 1: checks before launch ------------------------------------------------------------------------
-
-
-def problems_of(**parallel) -> list[str]:
-    model = parallel.pop("model", {})
-    cfg = root_config({"model": model, "parallel": parallel})
-    return pipeline.problems(cfg)
-
-
-def test_a_valid_pipeline_config_has_no_problems():
-    assert problems_of(pipeline=2) == []
-    assert problems_of(pipeline=2, pipeline_partition="type:Block", pipeline_checkpoint_interval=2) == []
-    assert problems_of(pipeline=2, pipeline_partition="uniform", model={"checkpointing": "selective"}) == []
-
-
-@pytest.mark.parametrize(
-    "config, message",
-    [
-        ({"pipeline": 8}, "--model.n_layer=4 is below --parallel.pipeline=8"),
-        ({"pipeline": 2, "pipeline_partition": "balanced"}, "--parallel.pipeline_partition='balanced'"),
-        ({"pipeline": 2, "pipeline_partition": "type:Conv"}, "type:NAME with NAME matching a layer class"),
-        ({"pipeline": 2, "pipeline_partition": "type:Linear"}, "Embedding, Block, RMSNorm\\)"),  # tied: no head layer
-        ({"pipeline": 1, "pipeline_checkpoint_interval": 1}, "only applies with --parallel.pipeline > 1"),
-        ({"pipeline": 2, "pipeline_checkpoint_interval": -1}, "must be >= 0"),
-        ({"pipeline": 2, "model": {"checkpointing": "full"}}, "use --parallel.pipeline_checkpoint_interval N"),
-        (
-            {"pipeline": 2, "tensor": 2, "pipeline_partition": "type:Foo"},
-            "VocabParallelEmbedding, Block, RMSNorm\\)",
-        ),
-    ],
-)
-def test_pipeline_problems_name_the_flag(config, message):
-    found = problems_of(**config)
-    assert len(found) == 1 and re.search(message, found[0]), found
 
 
 @pytest.mark.parametrize("world_size, stages", [(2, 2), (4, 2), (8, 2), (8, 4), (12, 3)])
@@ -125,10 +87,8 @@ def zero2_pipeline_config(tmp_path, phix) -> dict:
 
 
 def test_zero2_with_pipeline_is_refused_before_launch(tmp_path, phix):
-    from megagenome import pretrain
-
     with pytest.raises(ConfigError) as e:
-        pretrain.prepare(root_config(zero2_pipeline_config(tmp_path, phix)), [], world_size=2)
+        validate(config_from_dict(zero2_pipeline_config(tmp_path, phix)), [], world_size=2)
     assert e.value.problems == [
         f"{REPO / 'ds_configs' / 'zero2.json'}: zero_optimization.stage=2 cannot run with --parallel.pipeline=2: "
         "DeepSpeed's pipeline engine rejects ZeRO stages 2 and 3 (it reduces gradients itself, after the last "
@@ -153,10 +113,11 @@ B, T = 2, 32
 @pytest.fixture(scope="module")
 def world_of_one():
     """A gloo process group of one rank (PipelineModule creates groups), undone afterwards."""
+    from megagenome.parallel.layout import ParallelLayout
     from megagenome.parallel.state import ParallelState
 
     with helpers.world_of_one():
-        yield ParallelState.build(0, 1)
+        yield ParallelState.build(0, ParallelLayout(1))
 
 
 def dense_and_stage(state, tie=True, interval=0, dropout=0.0, policy="none", checkpoint_fn=None):
@@ -213,13 +174,12 @@ def test_one_stage_equals_the_dense_model(world_of_one, tie, policy):
 
 
 def deepspeed_checkpoint_fn():
-    """DeepSpeed's checkpoint function configured from ds_configs/activation_checkpointing.json, as pretrain.py
+    """DeepSpeed's checkpoint function configured from ds_configs/activation_checkpointing.json, as the assembly
     gets it (pipeline.build then uses DeepSpeed's non-reentrant variant)."""
-    from megagenome.config import RootConfig
     from megagenome.train import engine
 
     block = json.loads((REPO / "ds_configs" / "activation_checkpointing.json").read_text())
-    return engine.activation_checkpoint_function(engine.build_ds_config(RootConfig(), block, 1, on_gpu=False))
+    return engine.activation_checkpoint_function(final_ds_config(block))
 
 
 @pytest.mark.parametrize("kind", ["torch", "deepspeed"])
@@ -324,40 +284,9 @@ def four_ranks(phix, tmp_path_factory) -> Runs:
     return run_worker(root, four_rank_scenarios(root, phix), 4)
 
 
-def config_of(runs: Runs, name: str) -> dict:
-    scenarios = json.loads((runs.root / "spec.json").read_text())["scenarios"]
-    return next(s["config"] for s in scenarios if s["name"] == name)
-
-
-def weights(runs: Runs, name: str) -> dict[str, torch.Tensor]:
-    """Final weights as DNATransformer's state dict: a pipeline run's reassembled from its layer files."""
-    config = config_of(runs, name)
-    if config["parallel"]["pipeline"] == 1:
-        return runs.weights(name)
-    runs.rows(name)
-    tag = runs.root / name / "checkpoints" / f"step_{STEPS:08d}"
-    assert (tag / "COMPLETE").exists(), f"{name}: no complete final checkpoint"
-    state = pipeline.dense_state_dict(str(tag), ModelConfig(**config["model"]))
-    return {k: v.float() for k, v in state.items()}
-
-
-def grad_norms(runs: Runs, name: str) -> list[float]:
-    return [r["grad_norm"] for r in runs.rows(name) if "split" not in r]
-
-
-def compare(
-    runs: Runs, a: str, b: str, loss_atol: float = LOSS_ATOL, weight_atol: float = WEIGHT_ATOL, runs_b: Runs = None
-) -> None:
-    """Run a of `runs` against run b of runs_b (default: the same worker)."""
-    runs_b = runs if runs_b is None else runs_b
-    la, lb = runs.losses(a), runs_b.losses(b)
-    loss_diff = max(abs(x - y) for x, y in zip(la, lb))
-    norm_diff = max(abs(x - y) / y for x, y in zip(grad_norms(runs, a), grad_norms(runs_b, b)))
-    weight_diff = max_abs_diff(weights(runs, a), weights(runs_b, b))
-    print(f"{a} vs {b}: loss {loss_diff:.3g}, grad norm (relative) {norm_diff:.3g}, weights {weight_diff:.3g}")
-    assert loss_diff <= loss_atol, f"{a} vs {b}: losses differ by {loss_diff:.3g}\n{la}\n{lb}"
-    assert norm_diff <= max(loss_atol, 1e-6), f"{a} vs {b}: gradient norms differ by {norm_diff:.3g} (relative)"
-    assert weight_diff <= weight_atol, f"{a} vs {b}: weights differ by up to {weight_diff:.3g}"
+def compare(runs: Runs, a: str, b: str, runs_b: Runs | None = None, **tolerances) -> None:
+    """Run a of `runs` against run b of runs_b (default: the same worker), gradient norms included."""
+    assert_equivalent(runs, a, runs if runs_b is None else runs_b, b, grad_norms=True, **tolerances)
 
 
 @pytest.mark.slow
@@ -389,7 +318,7 @@ def test_checkpoint_interval_changes_nothing(two_ranks, name):
     """With the same stage partition recomputation is exact. (Another partition moves ulps: the two halves of the
     tied embedding's gradient are then added at another point of the accumulation.)"""
     assert two_ranks.losses(name) == two_ranks.losses("pp2")
-    assert max_abs_diff(weights(two_ranks, name), weights(two_ranks, "pp2")) == 0.0
+    assert max_abs_diff(two_ranks.weights(name), two_ranks.weights("pp2")) == 0.0
 
 
 @pytest.mark.slow
@@ -421,8 +350,8 @@ def test_resume_with_two_stages_equals_uninterrupted(two_ranks):
     ckpts = sorted(p.name for p in (two_ranks.root / "pp2_resume" / "checkpoints").glob("step_*"))
     assert ckpts == [f"step_{STOP:08d}", f"step_{STEPS:08d}"], ckpts
     assert two_ranks.losses("pp2_resume") == two_ranks.losses("pp2_dropout")
-    assert grad_norms(two_ranks, "pp2_resume") == grad_norms(two_ranks, "pp2_dropout")
-    assert max_abs_diff(weights(two_ranks, "pp2_resume"), weights(two_ranks, "pp2_dropout")) == 0.0
+    assert two_ranks.grad_norms("pp2_resume") == two_ranks.grad_norms("pp2_dropout")
+    assert max_abs_diff(two_ranks.weights("pp2_resume"), two_ranks.weights("pp2_dropout")) == 0.0
     assert two_ranks.losses("pp2_dropout") != two_ranks.losses("pp2")  # dropout really was on
 
 
@@ -442,7 +371,7 @@ def test_tensor_times_pipeline_has_sharded_stages(four_ranks):
     ds_config = json.loads((four_ranks.root / "tp2_pp2" / "ds_config.json").read_text())
     assert ds_config["train_batch_size"] == 8 and ds_config["gradient_accumulation_steps"] == 2
     memory = json.loads((four_ranks.root / "tp2_pp2" / "memory.json").read_text())
-    dense = 4 * sum(v.numel() for k, v in weights(four_ranks, "tp2_pp2").items() if k != "lm_head.weight")  # fp32
+    dense = 4 * sum(v.numel() for k, v in four_ranks.weights("tp2_pp2").items() if k != "lm_head.weight")  # fp32
     per_rank = [r["params"] for r in memory["ranks"]]
     print(f"tp2 x pp2 parameter bytes per rank {per_rank} of {dense}")
     assert all(p < 0.4 * dense for p in per_rank), (per_rank, dense)
@@ -468,6 +397,6 @@ def test_pipeline_times_data_parallel_equals_dense(four_ranks, two_ranks):
 @pytest.mark.slow
 def test_resume_with_tensor_times_pipeline_equals_uninterrupted(four_ranks):
     assert four_ranks.losses("tp2_pp2_resume") == four_ranks.losses("tp2_pp2_dropout")
-    assert grad_norms(four_ranks, "tp2_pp2_resume") == grad_norms(four_ranks, "tp2_pp2_dropout")
-    assert max_abs_diff(weights(four_ranks, "tp2_pp2_resume"), weights(four_ranks, "tp2_pp2_dropout")) == 0.0
+    assert four_ranks.grad_norms("tp2_pp2_resume") == four_ranks.grad_norms("tp2_pp2_dropout")
+    assert max_abs_diff(four_ranks.weights("tp2_pp2_resume"), four_ranks.weights("tp2_pp2_dropout")) == 0.0
     assert four_ranks.losses("tp2_pp2_dropout") != four_ranks.losses("tp2_pp2")

@@ -18,9 +18,9 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, cli, copy_genome, tiny_config
-from test_activation_checkpointing import param_storages, saved_bytes
-from test_ds_equivalence import run_worker
+from support.helpers import REPO, cli, copy_genome, tiny_config
+from support.runs import run_worker
+from support.saved import param_storages, saved_bytes
 
 from megagenome.config import ModelConfig, d_ff
 from megagenome.data.tokenizer import VOCAB_SIZE

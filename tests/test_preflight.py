@@ -11,7 +11,7 @@ import json
 import subprocess
 
 import pytest
-from helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
+from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
 
 from megagenome import preflight
 

@@ -7,7 +7,7 @@ with 1 and 2 workers; a prepare killed after its first shard and rerun gives the
 uninterrupted one (the finished shard is skipped, not rewritten); bad manifests and inputs exit 2 naming the file.
 Packing: a BED of short intervals packed with SEP tokens gives windows that hold only those intervals' bases.
 
-Tier 3 (slow, real launcher, tests/ds_scenarios.py): group-aware training on 2 and 4 ranks trains every group on
+Tier 3 (slow, real launcher, tests/support/worker.py): group-aware training on 2 and 4 ranks trains every group on
 one rank only (groups.json, written from what each rank actually read); prepared data resumes across a change of
 data-parallel size (2 ranks to step 3, then 1 rank to step 6 equals 2 ranks to step 6).
 """
@@ -26,8 +26,8 @@ import time
 import numpy as np
 import pytest
 import yaml
-from helpers import DATA, PYTHON, REPO, cli, env, tiny_config
-from test_ds_equivalence import Runs, max_abs_diff, run_worker
+from support.helpers import DATA, PYTHON, REPO, cli, env, tiny_config
+from support.runs import Runs, max_abs_diff, run_worker
 
 from megagenome.config import DataConfig, Region
 from megagenome.data import prepared

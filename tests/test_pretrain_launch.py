@@ -2,14 +2,14 @@
 
 Success is judged by what the run wrote (metrics, summary, COMPLETE markers), not only by the exit code:
 on CPU about 1 run in 15 has one rank abort at interpreter teardown after finishing its work (see
-PLATFORM.md); the run itself tears its process group down explicitly to make that rare.
+docs/platform.md); the run itself tears its process group down explicitly to make that rare.
 """
 
 import json
 import os
 
 import pytest
-from helpers import copy_genome, launch, tiny_config, write_yaml
+from support.helpers import copy_genome, launch, tiny_config, write_yaml
 
 from megagenome.metrics import read_metrics
 

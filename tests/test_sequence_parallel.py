@@ -1,12 +1,13 @@
 """Sequence parallelism (DeepSpeed-Ulysses, --parallel.sequence): tiers 1 and 3.
 
 Tier 1 (no processes): the validation messages, the batch split, the rotary position offset and the model
-hook. Tier 3 (slow, one 2-rank `deepspeed` launch through tests/ds_scenarios.py, CPU ranks on gloo):
+hook (the layout's sequence-parallel rules are tests/test_layout.py's). Tier 3 (slow, one 2-rank `deepspeed`
+launch through support/worker.py, CPU ranks on gloo):
 
 - DistributedAttention around the SDPA core equals SDPA over the whole sequence, causal and bidirectional,
   outputs and q/k/v gradients; a whole DNATransformer split over 2 ranks equals the unsplit model: chunk
   logits, the chunk losses' sum and the sp-summed weight gradients, clm and mlm, with non-uniform loss weights
-  and every activation-checkpointing policy (tests/sp_checks.py). Deliberately broken splits (chunk-local
+  and every activation-checkpointing policy (support/sp_checks.py). Deliberately broken splits (chunk-local
   attention, rotary positions not offset) are shown to differ, so the comparison can fail.
 - `megagenome pretrain` with --parallel.sequence 2 (2 ranks: sp 2 x dp 1, micro 2 x accumulation 2) equals
   --parallel.sequence 1 (sp 1 x dp 2, micro 2): per-step training losses, the final held-out loss (bits/base
@@ -14,7 +15,7 @@ hook. Tier 3 (slow, one 2-rank `deepspeed` launch through tests/ds_scenarios.py,
   train on the same samples and the same objective (the mean of 2 micro-batch means), so any difference is
   floating-point order.
 
-Tolerances are measured (6 AdamW steps at lr 3e-3, as in test_ds_equivalence.py); see the constants.
+Tolerances are measured (6 AdamW steps at lr 3e-3, as in support/runs.py); see the constants.
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, copy_genome
-from test_ds_equivalence import STEPS, max_abs_diff, run_worker, scenario
+from support.helpers import REPO, copy_genome, tiny_config
+from support.runs import STEPS, max_abs_diff, run_worker, scenario
 
-from megagenome.config import ModelConfig
+from megagenome.assembly import validate
+from megagenome.config import ConfigError, ModelConfig
+from megagenome.config.load import config_from_dict
 from megagenome.model import DNATransformer
 from megagenome.model.layers import RotaryEmbedding
-from megagenome.parallel.sequence import sequence_problems, shard_batch
+from megagenome.parallel.sequence import shard_batch
+from megagenome.train import engine
 
 # sp_checks: largest difference measured / allowed. float64 models still compute the loss in float32
 # (forward's log-softmax), hence the 1e-8 relative on their gradients.
@@ -48,35 +52,14 @@ BF16_NORM_RTOL = 0.05
 # ----- tier 1 -----------------------------------------------------------------------------------------------
 
 
-def test_sequence_problems_name_the_flags():
-    assert sequence_problems(64, 4, 1) == []
-    assert sequence_problems(64, 4, 2) == []
-    (msg,) = sequence_problems(63, 4, 2)
-    assert "--data.seq_len=63" in msg and "--parallel.sequence=2" in msg
-    (msg,) = sequence_problems(64, 6, 4)
-    assert "--model.n_head=6" in msg and "--parallel.sequence=4" in msg
-    (msg,) = sequence_problems(64, 4, 2, tp=4)
-    assert "--parallel.tensor=4" in msg
-    (msg,) = sequence_problems(64, 4, 2, pp=2)
-    assert "--parallel.pipeline=2" in msg
-    assert len(sequence_problems(63, 3, 2)) == 2  # every problem at once
-
-
-def test_prepare_rejects_an_indivisible_sequence_before_any_process_group(tmp_path):
-    from helpers import tiny_config
-
-    from megagenome import cli, pretrain
-    from megagenome.config import ConfigError
-
+def test_validation_rejects_an_indivisible_sequence_before_any_process_group(tmp_path):
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
     cfg = tiny_config(tmp_path, fasta, tmp_path / "run")
     cfg["data"]["seq_len"] = 63
     cfg["model"].update({"d_model": 48, "n_head": 3})
     cfg["parallel"] = {"sequence": 2}
-    parser = cli.pretrain_parser()
-    root = cli.root_config(parser.instantiate(parser.parse_object(cfg)))
     with pytest.raises(ConfigError) as e:
-        pretrain.prepare(root, [], world_size=2)
+        validate(config_from_dict(cfg), [], world_size=2)
     text = str(e.value)
     assert "--data.seq_len=63 is not divisible by --parallel.sequence=2" in text
     assert "--model.n_head=3 is not divisible by --parallel.sequence=2" in text
@@ -144,25 +127,14 @@ def test_model_loss_is_the_chunk_share_of_the_whole():
     assert torch.allclose(share, nll / weight) and torch.equal(nll_c, nll)
 
 
-def test_zero3_gradient_factor_and_reduce_scatter_check(tmp_path):
-    from helpers import tiny_config
-
-    from megagenome import cli
-    from megagenome.train import engine
-
+def test_zero3_gradient_factor():
+    """The factor the loss is scaled by where ZeRO-3's reduce-scatter divides by sp too many (engine.py); the
+    reduce_scatter=false combination it cannot fix is refused by the layout (tests/test_layout.py)."""
     assert engine.sequence_parallel_grad_factor({"zero_optimization": {"stage": 3}}, 2) == 2
     assert engine.sequence_parallel_grad_factor({"zero_optimization": {"stage": 3}}, 1) == 1
     for stage in (0, 1, 2):
         assert engine.sequence_parallel_grad_factor({"zero_optimization": {"stage": stage}}, 4) == 1
     assert engine.sequence_parallel_grad_factor({}, 2) == 1
-    cfg = tiny_config(tmp_path, "x.fa", tmp_path / "run")
-    cfg["parallel"] = {"sequence": 2}
-    parser = cli.pretrain_parser()
-    root = cli.root_config(parser.instantiate(parser.parse_object(cfg)))
-    ds = {"zero_optimization": {"stage": 3, "reduce_scatter": False}}
-    (msg,) = engine.check_run_against_ds(root, ds, "z3.json")
-    assert "z3.json" in msg and "reduce_scatter=false" in msg and "--parallel.sequence=2" in msg
-    assert engine.check_run_against_ds(root, {"zero_optimization": {"stage": 3}}, "z3.json") == []
 
 
 # ----- tier 3 -----------------------------------------------------------------------------------------------
@@ -195,14 +167,16 @@ def _pretrain_scenarios(root, fasta: str) -> list[dict]:
 def sp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp")
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path_factory.mktemp("genome"))
-    check = {"name": "attention", "check": "sp_checks:attention_equivalence", "run_dir": str(root / "attention")}
+    check = {
+        "name": "attention",
+        "check": "support.sp_checks:attention_equivalence",
+        "run_dir": str(root / "attention"),
+    }
     return run_worker(root, [check, *_pretrain_scenarios(root, fasta)], 2)
 
 
 def _check_results(runs) -> list[dict]:
-    files = [runs.root / "attention" / f"rank{r}.json" for r in range(2)]
-    assert all(f.exists() for f in files), runs._output_tail("attention")
-    return [json.loads(f.read_text()) for f in files]
+    return runs.checks("attention")
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Tier 3: the sbatch templates in launch/slurm/ on a real single-node Slurm cluster (tests/slurm_cluster.py).
+"""Tier 3: the sbatch templates in launch/slurm/ on a real single-node Slurm cluster (tests/support/slurm_cluster.py).
 
 Both modes run 2 CPU ranks on the one node: pretrain_per_node.sbatch (srun starts DeepSpeed's launcher once per
 node, which starts the ranks) and pretrain_per_rank.sbatch (srun starts every rank). The checkpoint signal goes
@@ -7,7 +7,7 @@ before the time limit); the job must stop with a checkpoint, requeue itself and 
 uninterrupted run.
 
 Success is judged by what the runs wrote (metrics, summary, COMPLETE markers, logs), not by the job state alone:
-on CPU a rank occasionally aborts at interpreter teardown after finishing its work (PLATFORM.md).
+on CPU a rank occasionally aborts at interpreter teardown after finishing its work (docs/platform.md).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import subprocess
 import time
 
 import pytest
-from helpers import PYTHON, REPO, copy_genome, signal_run_config
-from helpers import SIGNAL_STEPS as STEPS
+from support.helpers import PYTHON, REPO, copy_genome, signal_run_config
+from support.helpers import SIGNAL_STEPS as STEPS
 
 from megagenome.metrics import read_metrics
 
@@ -162,7 +162,7 @@ def test_checkpoint_signal_requeues_and_resumes(slurm_cluster, per_node, phix, t
     assert f"at step {step}" in second and "resumed from" in second, second[-4000:]
     for s in range(1, STEPS + 1):
         assert found[s] == pytest.approx(reference[s], abs=1e-6, rel=0), s
-    # 75 from the ranks; on a rare teardown abort of a rank (PLATFORM.md) the batch shell requeues all the same.
+    # 75 from the ranks; on a rare teardown abort of a rank (docs/platform.md) the batch shell requeues all the same.
     assert re.search(r"step exited with \d+ after SIGUSR1", batch), batch
 
 

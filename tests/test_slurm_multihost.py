@@ -1,12 +1,13 @@
 """Tier 3: the multi-node sbatch templates in launch/slurm/ across two hosts, on a real Slurm cluster with one slurmd
-per network-namespace host (tests/netns_hosts.py), so a job's two nodes have two addresses, as on a real cluster.
+per network-namespace host (tests/support/netns_hosts.py), so a job's two nodes have two addresses, as on a real
+cluster.
 
     root namespace:  munged (own key and socket), slurmctld on 10.77.N.254 (the bridge), sbatch/scontrol
     netns mghost1:   slurmd -N mghost1, NodeAddr 10.77.N.1, hostname mghost1 (own UTS namespace)
     netns mghost2:   slurmd -N mghost2, NodeAddr 10.77.N.2, hostname mghost2
 
-This cluster is separate from the session's single-node one (tests/slurm_cluster.py, tests/test_slurm.py): its own
-temp directory, slurm.conf, munge key and socket, and free ports for slurmctld and slurmd. Each slurmd runs in
+This cluster is separate from the session's single-node one (tests/support/slurm_cluster.py, tests/test_slurm.py):
+its own temp directory, slurm.conf, munge key and socket, and free ports for slurmctld and slurmd. Each slurmd runs in
 `nsenter --net=<the host's netns> unshare --uts --mount` (not `ip netns exec`, whose /sys remount hides the cgroup
 mounts slurmd 22.05 needs), with the host's name as hostname and, bind-mounted over /etc/hosts in that private
 mount namespace only, a hosts file naming both hosts: it stands in for a cluster's DNS, so the templates' default
@@ -15,7 +16,7 @@ shell and in every task. Nothing changes in the root namespace's /etc. GLOO_SOCK
 the submission (sbatch exports the submitting environment to the job, and srun to its tasks).
 
 Where namespaces cannot be made, or Slurm/munge is not installed, or not root, the tests skip with the reason.
-Success is judged by what the run wrote (PLATFORM.md: about one two-rank run in 15 has a rank abort at
+Success is judged by what the run wrote (docs/platform.md: about one two-rank run in 15 has a rank abort at
 interpreter teardown after finishing its work).
 """
 
@@ -32,9 +33,9 @@ import subprocess
 import tempfile
 
 import pytest
-from helpers import PYTHON, REPO, copy_genome, tiny_config, write_yaml
-from netns_hosts import IFNAME, HostsUnavailable, netns_hosts
-from slurm_cluster import (
+from support.helpers import PYTHON, REPO, copy_genome, tiny_config, write_yaml
+from support.netns_hosts import IFNAME, HostsUnavailable, netns_hosts
+from support.slurm_cluster import (
     SlurmCluster,
     SlurmUnavailable,
     _free_port,
@@ -54,7 +55,7 @@ import os, sys
 if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # a training rank (deepspeed's launch.py or srun's task)
     import json, socket
     sys.path.insert(0, {tests!r})
-    import netns_hosts
+    from support import netns_hosts
     del sys.path[0]
     facts = netns_hosts.rank_facts()
     facts["master_ip"] = socket.gethostbyname(os.environ.get("MASTER_ADDR", ""))

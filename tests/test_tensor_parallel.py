@@ -3,11 +3,12 @@
 Tier 1 (no processes): the flags are validated before launch; shards merge back into the dense weights.
 
 Tiers 2-3, in three process groups (one launch per world size, each running many scenarios through
-tests/ds_scenarios.py: `megagenome.pretrain.run`, the CLI's code path, and the checks of tests/tp_checks.py):
+support/worker.py: `megagenome.pretrain.run`, the CLI's code path, and the checks of support/tp_checks.py):
 
 - layers: column/row-parallel linears, the vocabulary-parallel embedding and cross entropy (padding column,
   ignored labels, loss weights) equal torch's dense layers: outputs and gradients within 1e-6 (fp32);
-- the whole model (clm and mlm, tied and untied head, with and without checkpointing): loss and every gradient
+- the whole model built by the tensor-parallel layer factory (clm and mlm, tied and untied head, with and without
+  checkpointing) starts from exactly the slices of the dense model's weights (same seed); loss and every gradient
   shard equal the dense model's within 1e-6; inside a DeepSpeed engine too (ZeRO-0 p.grad, ZeRO-1
   safe_get_full_grad), and the gradient norm that clipping uses counts every gradient once;
 - dropout streams: the attention-dropout stream differs across tensor ranks, the residual one does not;
@@ -34,13 +35,12 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, copy_genome, tiny_config
-from test_ds_equivalence import Runs, max_abs_diff, run_worker
+from support.helpers import REPO, copy_genome, tiny_config
+from support.runs import STEPS, STOP, Runs, assert_equivalent, ds, run_worker
 
 from megagenome.config import DataConfig, LogConfig, ModelConfig, ParallelConfig, RootConfig, TrainConfig
 from megagenome.parallel import tensor_parallel as tp
 
-STEPS, STOP = 6, 3
 LAYER_ATOL = 1e-6  # layer outputs and gradients against torch's dense layers (fp32)
 GRAD_ATOL = 1e-6  # every gradient of the model against the dense model's (fp32, |grad| up to ~0.35)
 LOSS_ATOL = 1e-6  # per-step training loss and final held-out loss after STEPS AdamW steps
@@ -52,19 +52,9 @@ DROPOUT = 0.1
 # ----- tier 1 ------------------------------------------------------------------------------------------------------
 
 
-def test_problems_name_the_flags():
-    assert tp.tensor_parallel_problems(4, 128, 8, 1) == []
-    assert tp.tensor_parallel_problems(4, 128, 8, 2) == []
-    problems = tp.tensor_parallel_problems(6, 100, 8, 16)
-    assert len(problems) == 3
-    assert "--model.n_head=6" in problems[0] and "--parallel.tensor=16" in problems[0]
-    assert "--model.d_ff" in problems[1] and "d_ff=100" in problems[1]
-    assert "vocabulary (8 rows)" in problems[2]
-
-
 def test_prepare_rejects_an_indivisible_split_before_launch(tmp_path):
+    from megagenome.assembly import validate
     from megagenome.config import ConfigError
-    from megagenome.pretrain import prepare
 
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
     cfg = RootConfig(
@@ -75,7 +65,7 @@ def test_prepare_rejects_an_indivisible_split_before_launch(tmp_path):
         log=LogConfig(run_dir=str(tmp_path / "run")),
     )
     with pytest.raises(ConfigError) as err:
-        prepare(cfg, [], world_size=16)
+        validate(cfg, [], world_size=16)
     text = str(err.value)
     assert "--model.n_head=6 is not divisible by --parallel.tensor=16" in text
     assert "d_ff=100" in text and "padded vocabulary (8 rows)" in text
@@ -103,11 +93,6 @@ def test_partition_dims_and_merge_invert_the_split():
 # ----- tiers 2-3: the workers ------------------------------------------------------------------------------------
 
 
-def ds(*names: str) -> str | list[str]:
-    paths = [str(REPO / "ds_configs" / f"{n}.json") for n in names]
-    return paths[0] if len(paths) == 1 else paths
-
-
 def scenario(root, fasta: str, name: str, ds_config, micro: int, tensor: int = 1, dropout: float = 0.0, **extra):
     cfg = tiny_config(root, fasta, root / name)  # d_model 32, 2 layers, 2 heads (1 per tensor rank), d_ff 128
     cfg["model"]["dropout"] = dropout
@@ -126,7 +111,7 @@ def one_rank_scenarios(root, fasta: str) -> list[dict]:
 def two_rank_scenarios(root, fasta: str) -> list[dict]:
     drop = {"tensor": 2, "dropout": DROPOUT}
     return [
-        {"name": "checks", "check": "tp_checks:tensor_parallel_equivalence", "run_dir": str(root / "checks")},
+        {"name": "checks", "check": "support.tp_checks:tensor_parallel_equivalence", "run_dir": str(root / "checks")},
         scenario(root, fasta, "tp2_micro4", ds("zero0"), 4, tensor=2),
         scenario(root, fasta, "tp2_micro8_zero1", ds("zero1"), 8, tensor=2),
         scenario(root, fasta, "tp2_dropout", ds("zero0"), 4, **drop),
@@ -142,33 +127,6 @@ def four_rank_scenarios(root, fasta: str) -> list[dict]:
     return [scenario(root, fasta, "tp2_dp2_micro4_zero1", ds("zero1"), 4, tensor=2)]
 
 
-class TPRuns(Runs):
-    """Runs whose checkpoints hold one shard per tensor-parallel rank."""
-
-    def train_rows(self, name: str) -> list[dict]:
-        rows = [r for r in self.rows(name) if "split" not in r]
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), (name, [r["step"] for r in rows])
-        return rows
-
-    def weights(self, name: str) -> dict[str, torch.Tensor]:
-        """The final weights, dense: mp_rank_XX_model_states.pt (one file per tensor rank, written by data-parallel
-        rank 0; under ZeRO 1 in fp32 they hold the updated weights too) merged along each shard's split dim."""
-        self.rows(name)
-        tag = self.root / name / "checkpoints" / f"step_{STEPS:08d}"
-        files = sorted(tag.glob("mp_rank_*_model_states.pt"))
-        assert files and (tag / "COMPLETE").exists(), f"{name}: no complete final checkpoint"
-        shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
-        return {k: v.float() for k, v in tp.merge_shards(shards).items()}
-
-    def checks(self) -> list[dict]:
-        out = []
-        for rank in range(self.world_size):
-            path = self.root / "checks" / f"rank{rank}.json"
-            assert path.exists(), f"tensor-parallel checks did not finish\n{self._output_tail('checks')}"
-            out.append(json.loads(path.read_text()))
-        return out
-
-
 @pytest.fixture(scope="module")
 def phix(tmp_path_factory):
     return copy_genome("phiX174_NC_001422.1.fna", tmp_path_factory.mktemp("genome"))
@@ -177,32 +135,22 @@ def phix(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank(phix, tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("tp_ws1")
-    return run_worker(root, one_rank_scenarios(root, phix), 1, TPRuns)
+    return run_worker(root, one_rank_scenarios(root, phix), 1)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(phix, tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("tp_ws2")
-    return run_worker(root, two_rank_scenarios(root, phix), 2, TPRuns)
+    return run_worker(root, two_rank_scenarios(root, phix), 2)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(phix, tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("tp_ws4")
-    return run_worker(root, four_rank_scenarios(root, phix), 4, TPRuns)
+    return run_worker(root, four_rank_scenarios(root, phix), 4)
 
 
-def assert_equivalent(runs_a: Runs, a: str, runs_b: Runs, b: str, loss_atol: float, weight_atol: float) -> None:
-    la, lb = runs_a.losses(a), runs_b.losses(b)
-    loss_diff = max(abs(x - y) for x, y in zip(la, lb))
-    weight_diff = max_abs_diff(runs_a.weights(a), runs_b.weights(b))
-    where = f"{a} ({runs_a.world_size} rank(s)) vs {b} ({runs_b.world_size})"
-    print(f"{where}: loss {loss_diff:.3g}, weights {weight_diff:.3g}")
-    assert loss_diff <= loss_atol, f"{where}: losses differ by {loss_diff:.3g}\n{la}\n{lb}"
-    assert weight_diff <= weight_atol, f"{where}: weights differ by up to {weight_diff:.3g}"
-
-
-# ----- tier 2: layers, model, engine, checkpointing (tests/tp_checks.py) -------------------------------------
+# ----- tier 2: layers, model, engine, checkpointing (support/tp_checks.py) -------------------------------------
 
 
 @pytest.mark.slow
@@ -221,6 +169,7 @@ def test_model_loss_and_gradients_equal_dense(two_ranks):
         cases = {k: v for k, v in result.items() if k.startswith("model/")}
         assert len(cases) == 8
         for case, d in cases.items():
+            assert d["initial_weights"] == 0.0, (rank, case, d)  # the factory's shard is the dense slice, exactly
             assert d["loss"] <= 1e-6 and d["nll"] <= 1e-5 and d["weight"] == 0.0, (rank, case, d)
             assert d["grad"] <= GRAD_ATOL, (rank, case, d)
             assert d["local_params"] < 0.55 * d["dense_params"], (case, d)  # each rank holds about half

@@ -1,5 +1,5 @@
-"""`megagenome find-micro-batch` (megagenome/tune.py): the search, its arithmetic, its trial classification and its
-command line.
+"""`megagenome find-micro-batch` (megagenome/tune.py): the search, its arithmetic and its trials' classification
+(megagenome/trials.py); its command-line flags are tested with the CLI's (tests/test_cli.py).
 
 The fast tests drive the search with stand-in trials and a stand-in child process; the slow one searches for real on
 CPU, with a memory budget placed halfway between the peaks measured at micro 4 and micro 5, and must answer 4.
@@ -14,26 +14,25 @@ import subprocess
 
 import pytest
 import yaml
-from helpers import PYTHON, REPO, copy_genome, env, tiny_config, write_yaml
+from support.helpers import PYTHON, REPO, copy_genome, env, run_config, tiny_config, write_yaml
 
-from megagenome import cli, tune
+from megagenome import trials, tune
 
 GiB = 2**30
 
 
 def root(*argv: str):
-    parser = cli.pretrain_parser()
-    return cli.root_config(parser.instantiate(parser.parse_args(list(argv))))
+    return run_config(argv)[0]
 
 
-def stand_in(fitting: set[int] | int, outcome: str = tune.OOM):
+def stand_in(fitting: set[int] | int, outcome: str = trials.OOM):
     """A trial function: micro batches in `fitting` (or <= it) fit, others end with `outcome`; records the order."""
     order: list[int] = []
 
-    def trial(micro: int) -> tune.Trial:
+    def trial(micro: int) -> trials.Trial:
         order.append(micro)
         fits = micro <= fitting if isinstance(fitting, int) else micro in fitting
-        return tune.Trial(micro=micro, outcome=tune.FITS if fits else outcome, peak_bytes=micro * 2**20)
+        return trials.Trial(micro=micro, outcome=trials.FITS if fits else outcome, peak_bytes=micro * 2**20)
 
     return trial, order
 
@@ -41,10 +40,10 @@ def stand_in(fitting: set[int] | int, outcome: str = tune.OOM):
 def test_search_doubles_then_bisects_between_last_fit_and_first_failure():
     trial, order = stand_in(5)
     log: list[str] = []
-    best, trials = tune.search(trial, max_micro=64, log=log.append)
+    best, tried = tune.search(trial, max_micro=64, log=log.append)
     assert best == 5
     assert order == [1, 2, 4, 8, 6, 5]
-    assert [t.micro for t in trials] == order and len(log) == 6
+    assert [t.micro for t in tried] == order and len(log) == 6
     assert log[3].startswith("micro 8: does not fit: out of memory")
 
 
@@ -62,7 +61,7 @@ def test_search_when_nothing_fits_and_when_a_trial_fails_otherwise():
     assert tune.search(trial, max_micro=8, log=lambda _: None)[0] == 0
     assert order == [1]
     trial, order = stand_in(3, outcome="error")
-    with pytest.raises(tune.TrialError, match="micro batch 4: error"):
+    with pytest.raises(trials.TrialError, match="micro batch 4: error"):
         tune.search(trial, max_micro=8, log=lambda _: None)
 
 
@@ -83,7 +82,7 @@ def test_accumulation_divisible_and_nearest_valid_alternatives():
 
 
 @pytest.fixture
-def run_config(tmp_path):
+def run_yaml(tmp_path):
     """A tiny fp32 run config on phiX174; global batch 2 x 4 x data-parallel size."""
     cfg = tiny_config(tmp_path, copy_genome("phiX174_NC_001422.1.fna", tmp_path), tmp_path / "run")
     cfg["train"]["grad_accum_steps"] = 4
@@ -91,8 +90,8 @@ def run_config(tmp_path):
     return write_yaml(tmp_path / "run.yaml", cfg)
 
 
-def test_trial_config_is_short_and_fresh(run_config):
-    cfg = tune.trial_config(root("--config", run_config, "--train.global_batch_size", "16"), steps=3, grad_accum=2)
+def test_trial_config_is_short_and_fresh(run_yaml):
+    cfg = trials.trial_config(root("--config", run_yaml, "--train.global_batch_size", "16"), steps=3, grad_accum=2)
     t = cfg.train
     assert (t.max_steps, t.grad_accum_steps, t.global_batch_size, t.log_interval, t.eval_interval) == (3, 2, None, 1, 0)
     assert t.warmup_steps == 0 and t.stop_at is None
@@ -103,35 +102,35 @@ def test_trial_config_is_short_and_fresh(run_config):
 @pytest.mark.parametrize(
     "output, returncode, outcome",
     [
-        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB\n", 1, tune.OOM),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB\n", 1, trials.OOM),
         (
             "RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
             "you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)\n",
             1,
-            tune.OOM,
+            trials.OOM,
         ),
-        ("", -signal.SIGKILL, tune.KILLED),
+        ("", -signal.SIGKILL, trials.KILLED),
         ("megagenome pretrain: error: 1 configuration problem(s)\n", 2, "config error"),
         ("Traceback ...\nValueError: something else\n", 1, "error"),
     ],
     ids=["cuda-oom", "cpu-oom", "sigkill", "config", "other"],
 )
-def test_run_trial_reads_the_outcome_from_the_child(run_config, tmp_path, monkeypatch, output, returncode, outcome):
+def test_run_trial_reads_the_outcome_from_the_child(run_yaml, tmp_path, monkeypatch, output, returncode, outcome):
     def child(cmd, log_path, env, timeout):
         with open(log_path, "w") as fh:
             fh.write("megagenome: 1,000 parameters, 1 rank(s) on cpu\n" + output)
         return returncode, False
 
-    monkeypatch.setattr(tune, "run_child", child)
-    trial = tune.run_trial(tune.trial_config(root("--config", run_config), 2), 4, str(tmp_path))
+    monkeypatch.setattr(trials, "run_child", child)
+    trial = trials.run_trial(trials.trial_config(root("--config", run_yaml), 2), 4, str(tmp_path))
     assert trial.outcome == outcome and not trial.fits and trial.parameters == 1000
-    if outcome == tune.OOM:
+    if outcome == trials.OOM:
         assert trial.detail.startswith(("torch.OutOfMemoryError", "RuntimeError"))
-    if outcome == tune.KILLED:
+    if outcome == trials.KILLED:
         assert "out-of-memory killer" in trial.detail
 
 
-def test_run_trial_measures_and_applies_the_budget(run_config, tmp_path, monkeypatch):
+def test_run_trial_measures_and_applies_the_budget(run_yaml, tmp_path, monkeypatch):
     def child(cmd, log_path, env, timeout):
         run_dir = yaml.safe_load(open(cmd[-1]))["log"]["run_dir"]
         os.makedirs(run_dir)
@@ -143,62 +142,20 @@ def test_run_trial_measures_and_applies_the_budget(run_config, tmp_path, monkeyp
         assert "RANK" not in env and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
         return 0, False
 
-    monkeypatch.setattr(tune, "run_child", child)
+    monkeypatch.setattr(trials, "run_child", child)
     monkeypatch.setenv("RANK", "3")  # a launcher's variables never reach a trial
-    base = tune.trial_config(root("--config", run_config), 3)
-    fits = tune.run_trial(base, 2, str(tmp_path), budget_bytes=2**30 + 3, warmup=1)
+    base = trials.trial_config(root("--config", run_yaml), 3)
+    fits = trials.run_trial(base, 2, str(tmp_path), budget_bytes=2**30 + 3, warmup=1)
     assert fits.fits and fits.peak_bytes == 2**30 + 3 and fits.tokens_per_s == 250.0  # median of steps 2 and 3
-    over = tune.run_trial(base, 2, str(tmp_path), budget_bytes=2**30 + 2)
-    assert over.outcome == tune.OVER_BUDGET and "budget" in tune.describe(over)
+    over = trials.run_trial(base, 2, str(tmp_path), budget_bytes=2**30 + 2)
+    assert over.outcome == trials.OVER_BUDGET and "budget" in trials.describe(over)
     assert not os.path.exists(tmp_path / "micro2")  # the trial's run directory is deleted
-
-
-def test_bad_flags_exit_2_naming_each(run_config, capsys):
-    code = cli.main(
-        [
-            "find-micro-batch",
-            "--config",
-            run_config,
-            "--max_micro",
-            "0",
-            "--steps",
-            "0",
-            "--memory_budget_gb",
-            "-1",
-            "--data_parallel",
-            "0",
-            "--parallel.tensor",
-            "2",
-        ]
-    )
-    err = capsys.readouterr().err
-    assert code == 2
-    for flag in ("--max_micro=0", "--steps=0", "--memory_budget_gb=-1", "--data_parallel=0", "--parallel.tensor=2"):
-        assert flag in err, err
-    with pytest.raises(SystemExit) as e:
-        cli.main(["find-micro-batch", "--config", run_config, "--max_micro", "many"])
-    assert e.value.code == 2 and "max_micro" in capsys.readouterr().err
-
-
-def test_config_problems_exit_2_before_any_trial(run_config, capsys, monkeypatch):
-    monkeypatch.setattr(tune, "run_trial", lambda *a, **k: pytest.fail("a trial ran"))
-    assert cli.main(["find-micro-batch", "--config", run_config, "--data.seq_len", "4096"]) == 2
-    assert "--data.seq_len=4096" in capsys.readouterr().err
-
-
-def test_help_states_the_single_process_assumption(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["find-micro-batch", "--help"])
-    assert e.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())
-    assert "world of ONE process" in text and "conservative (fits on one rank => fits on more)" in text
-    assert "--memory_budget_gb" in text and "--data_parallel" in text
 
 
 @pytest.mark.slow
 def test_a_budget_between_micro_4_and_5_finds_4_and_the_accumulation(tmp_path, monkeypatch):
     # glibc then returns freed memory and maps big blocks on their own, so a process's peak RSS follows its live
-    # tensors (repeat runs agree within ~0.2 MB; without it, ~15 MB apart): PLATFORM.md.
+    # tensors (repeat runs agree within ~0.2 MB; without it, ~15 MB apart): docs/platform.md.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cfg = tiny_config(tmp_path, copy_genome("phiX174_NC_001422.1.fna", tmp_path), tmp_path / "run")
@@ -208,9 +165,9 @@ def test_a_budget_between_micro_4_and_5_finds_4_and_the_accumulation(tmp_path, m
     cfg["log"]["peak_tflops"] = 1.0
     config = write_yaml(tmp_path / "run.yaml", cfg)
 
-    base = tune.trial_config(root("--config", config), steps=2)
+    base = trials.trial_config(root("--config", config), steps=2)
     for _ in range(3):  # a busy machine can make a process's peak RSS a fixed start-up spike: measure again
-        p4, p5 = (tune.run_trial(base, m, str(tmp_path / "calibrate"), warmup=1) for m in (4, 5))
+        p4, p5 = (trials.run_trial(base, m, str(tmp_path / "calibrate"), warmup=1) for m in (4, 5))
         assert p4.fits and p5.fits, (p4, p5)
         if p5.peak_bytes - p4.peak_bytes > 4 * 2**20:
             break
@@ -234,9 +191,9 @@ def test_a_budget_between_micro_4_and_5_finds_4_and_the_accumulation(tmp_path, m
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    trials = [(t["micro"], t["outcome"]) for t in result["trials"]]
-    over = tune.OVER_BUDGET
-    assert trials == [(1, "fits"), (2, "fits"), (4, "fits"), (8, over), (6, over), (5, over)], trials
+    tried = [(t["micro"], t["outcome"]) for t in result["trials"]]
+    over = trials.OVER_BUDGET
+    assert tried == [(1, "fits"), (2, "fits"), (4, "fits"), (8, over), (6, over), (5, over)], tried
     assert result["largest_micro_batch"] == 4
     assert result["accumulation"]["grad_accum"] == 2 and result["accumulation"]["divisible"]
     assert "Largest micro batch that fits: 4" in proc.stdout

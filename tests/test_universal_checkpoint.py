@@ -23,7 +23,7 @@ conversion is refused by megagenome before DeepSpeed loads anything, naming conv
 checkpoint without --checkpoint.universal is refused; a ZeRO-0 checkpoint (no partitioned state) resumes on
 1 rank as is (1.8e-7 / 7.5e-9 from the uninterrupted run), and convert-checkpoint says so.
 
-Workers: tests/ds_scenarios.py through test_ds_equivalence.run_worker: 2 ranks (the launcher), then every
+Workers: support/worker.py through support.runs.run_worker: 2 ranks (the launcher), then every
 conversion through the real CLI, then 1 rank, then 2 ranks again (the same-layout resumptions).
 """
 
@@ -35,9 +35,8 @@ import pathlib
 
 import pytest
 import torch
-from helpers import cli, copy_genome, write_yaml
-from test_ds_equivalence import STEPS, STOP, Runs, ds, max_abs_diff, run_worker, scenario
-from test_tensor_parallel import TPRuns
+from support.helpers import cli, copy_genome, write_yaml
+from support.runs import STEPS, STOP, Runs, ds, max_abs_diff, run_worker, scenario
 
 pytestmark = pytest.mark.slow
 
@@ -145,10 +144,10 @@ def runs(phix, tmp_path_factory) -> Pipeline:
 
 
 def dense_weights(runs_: Runs, name: str) -> dict[str, torch.Tensor]:
-    """Final weights of a ZeRO-1 run as the model holds them (bf16 for a bf16 run): the mp_rank_XX files, tensor-
-    parallel shards merged (TPRuns.weights, on any Runs). DeepSpeed's zero_to_fp32 does not read BF16_Optimizer
-    checkpoints, so Runs.weights cannot serve the bf16 runs."""
-    return TPRuns.weights(runs_, name)
+    """Final weights of a ZeRO-1 run as the model holds them (bf16 for a bf16 run): Runs.model_weights, the
+    mp_rank_XX files with tensor-parallel shards merged (DeepSpeed's zero_to_fp32 does not read BF16_Optimizer
+    checkpoints)."""
+    return runs_.model_weights(name)
 
 
 def compare(

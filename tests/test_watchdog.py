@@ -3,8 +3,9 @@ exit code 86, the last complete checkpoint left as it was.
 
 Tier 1: the watchdog object with a recorded exit instead of a real one (clock starts at the first step, beats
 restart it, a stopped watchdog never fires); the flag's validation. Tier 3: a real 2-rank `deepspeed` launch of
-`megagenome pretrain` (tests/hang_worker.py) in which rank 1 hangs at step 4: both ranks' watchdogs fire, rank 1's
-stack shows where it hung, rank 0's shows it waiting in the gradient all-reduce, and the step-3 checkpoint is intact.
+`megagenome pretrain` (tests/support/hang_worker.py) in which rank 1 hangs at step 4: both ranks' watchdogs fire,
+rank 1's stack shows where it hung, rank 0's shows it waiting in the gradient all-reduce, and the step-3 checkpoint
+is intact.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
+from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
 
 from megagenome.config import RootConfig, TrainConfig, validate
 from megagenome.train.watchdog import HANG_EXIT, Watchdog
@@ -64,7 +65,7 @@ def test_clock_starts_at_the_first_step_and_stops(tmp_path):
 def test_zero_disables_and_negative_is_refused(tmp_path):
     dog = Watchdog(0, rank=0, dump_dir=str(tmp_path), exit=Exited()).start()
     assert not dog._thread.is_alive()
-    problems = validate(RootConfig(train=TrainConfig(hang_timeout_s=-1)), 1)
+    problems = validate(RootConfig(train=TrainConfig(hang_timeout_s=-1)))
     assert any(p.startswith("--train.hang_timeout_s=-1: must be >= 0") for p in problems), problems
 
 
@@ -76,7 +77,15 @@ def test_a_hung_rank_stops_the_whole_launch(tmp_path):
     cfg["checkpoint"] = {"interval": 3, "resume": "auto"}
     config = write_yaml(tmp_path / "run.yaml", cfg)
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += [str(REPO / "tests" / "hang_worker.py"), "--config", config, "--hang_rank", "1", "--hang_step", "3"]
+    cmd += [
+        str(REPO / "tests" / "support" / "hang_worker.py"),
+        "--config",
+        config,
+        "--hang_rank",
+        "1",
+        "--hang_step",
+        "3",
+    ]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=240)
     wall = time.monotonic() - started

@@ -1,6 +1,6 @@
 """FASTA access: a strict one-pass validator and `Genome`, random access by contig and 0-based coordinates.
 
-This is the only module that imports pyfaidx (DESIGN.md: one seam per heavy dependency). pyfaidx's own
+This is the only module that imports pyfaidx (docs/architecture.md: one seam per heavy dependency). pyfaidx's own
 errors are terse and some bad inputs (Windows line endings, stray characters) are not errors to it at all
 but silently corrupt coordinates or tokens later, so `validate_fasta` reads the whole file once first and
 fails with the file, line and column of the first problem.
@@ -113,23 +113,7 @@ def _scan(path: str, fh: IO[bytes]) -> None:
                 raise FastaError(f"{path}:{orphan_line}: sequence before the first header line ('>name')")
             if header_line and record_bases == 0:
                 raise FastaError(f"{path}:{header_line}: record has no sequence")
-            fields = body[1:].split(None, 1)
-            if not fields or body[1:2].isspace():
-                raise FastaError(
-                    f"{path}:{number}: header has an empty name (the name is the text right after '>' "
-                    f"up to the first whitespace)"
-                )
-            name = fields[0]
-            try:
-                body.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise FastaError(f"{path}:{number}:{e.start + 1}: header is not valid UTF-8") from e
-            if name in names:
-                raise FastaError(
-                    f"{path}:{number}: duplicate record name {name.decode()!r} (first defined at line "
-                    f"{names[name]}); names are the header text up to the first whitespace"
-                )
-            names[name] = number
+            _header(path, body, number, names)
             header_line, width, short_line, blank_line, record_bases = number, 0, 0, 0, 0
             continue
         if not header_line:
@@ -175,6 +159,27 @@ def _scan(path: str, fh: IO[bytes]) -> None:
         raise FastaError(f"{path}: no FASTA header ('>name') in {number} line(s)")
     if record_bases == 0:
         raise FastaError(f"{path}:{header_line}: record has no sequence")
+
+
+def _header(path: str, body: bytes, number: int, names: dict[bytes, int]) -> None:
+    """Check a header line (without its newline) and record its name in `names` (name -> line)."""
+    fields = body[1:].split(None, 1)
+    if not fields or body[1:2].isspace():
+        raise FastaError(
+            f"{path}:{number}: header has an empty name (the name is the text right after '>' "
+            f"up to the first whitespace)"
+        )
+    name = fields[0]
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FastaError(f"{path}:{number}:{e.start + 1}: header is not valid UTF-8") from e
+    if name in names:
+        raise FastaError(
+            f"{path}:{number}: duplicate record name {name.decode()!r} (first defined at line "
+            f"{names[name]}); names are the header text up to the first whitespace"
+        )
+    names[name] = number
 
 
 def _crlf(path: str, fh: IO[bytes], number: int, seen_lf: int) -> None:

@@ -1,6 +1,6 @@
 """Intervals: N-free stretches of a contig, the train/val/test split by contig and range, and its record.
 
-The split is by contig or by declared range, never by random window (DESIGN.md): neighbouring windows of
+The split is by contig or by declared range, never by random window (docs/architecture.md): neighbouring windows of
 one genome share repeats and local composition, so a window-level split would leak. Training data is
 "everything not held out", computed here once so that no sampler can reach a held-out base.
 """
@@ -61,27 +61,47 @@ def build_split(
     """
     problems: list[str] = []
     held: dict[str, list[Region]] = {"val": [], "test": []}
-    whole: dict[str, str] = {}  # contig -> flag that holds it out whole
-    pieces: list[tuple[Region, str]] = []  # every held-out interval with its flag, for the overlap check
-    for split, flag, names in (
-        ("val", "--data.val_contigs", val_contigs),
-        ("test", "--data.test_contigs", test_contigs),
-    ):
+    whole = _held_contigs(lengths, {"val": val_contigs, "test": test_contigs}, held, problems)
+    ranges = _held_ranges(lengths, {"val": val_ranges, "test": test_ranges}, whole, held, problems)
+    problems += _overlaps(ranges)
+    if problems:
+        raise SplitError(_join(problems))
+    train = _train_regions(lengths, whole, held["val"] + held["test"])
+    if not train and not allow_no_train:
+        raise SplitError(
+            "--data.val_contigs/--data.val_ranges/--data.test_contigs/--data.test_ranges hold out the whole "
+            "genome: no training data is left"
+        )
+    order = {name: i for i, name in enumerate(lengths)}
+    split = {"train": train}
+    for name in ("val", "test"):
+        split[name] = sorted(held[name], key=lambda r: (order[r.contig], r.start))
+    return split
+
+
+def _held_contigs(lengths: Mapping[str, int], names_by_split: dict, held: dict, problems: list[str]) -> dict[str, str]:
+    """Add the contigs held out whole to `held`; returns contig -> the flag that holds it out."""
+    whole: dict[str, str] = {}
+    for split, names in names_by_split.items():
+        flag = f"--data.{split}_contigs"
         for name in names:
             if name not in lengths:
                 problems.append(f"{flag}: unknown contig {name!r} (known: {_known(lengths)})")
-                continue
-            if name in whole:
+            elif name in whole:
                 problems.append(f"{flag}: contig {name!r} is already held out by {whole[name]}")
-                continue
-            whole[name] = flag
-            region = Region(name, 0, int(lengths[name]))
-            held[split].append(region)
-            pieces.append((region, flag))
-    for split, flag, texts in (
-        ("val", "--data.val_ranges", val_ranges),
-        ("test", "--data.test_ranges", test_ranges),
-    ):
+            else:
+                whole[name] = flag
+                held[split].append(Region(name, 0, int(lengths[name])))
+    return whole
+
+
+def _held_ranges(
+    lengths: Mapping[str, int], texts_by_split: dict, whole: dict[str, str], held: dict, problems: list[str]
+) -> list[tuple[Region, str]]:
+    """Add the held-out ranges to `held`; returns every range with its flag, for the overlap check."""
+    ranges: list[tuple[Region, str]] = []
+    for split, texts in texts_by_split.items():
+        flag = f"--data.{split}_ranges"
         for text in texts:
             try:
                 region = parse_region(text)
@@ -90,59 +110,53 @@ def build_split(
                 continue
             if region.contig not in lengths:
                 problems.append(f"{flag}: {text!r}: unknown contig {region.contig!r} (known: {_known(lengths)})")
-                continue
-            if region.end > lengths[region.contig]:
+            elif region.end > lengths[region.contig]:
                 problems.append(
                     f"{flag}: {text!r} ends past the end of {region.contig} (length {lengths[region.contig]})"
                 )
-                continue
-            if region.contig in whole:
+            elif region.contig in whole:
                 problems.append(
                     f"{flag}: {text!r} is on contig {region.contig!r}, which {whole[region.contig]} already holds "
                     f"out whole"
                 )
-                continue
-            held[split].append(region)
-            pieces.append((region, flag))
-    # Overlaps among the ranges (whole contigs were handled above); sort by position, compare neighbours.
-    ranges = sorted((p for p in pieces if p[1].endswith("_ranges")), key=lambda p: (p[0].contig, p[0].start))
-    # Compare each range with the one reaching furthest before it, so a long range covering several is caught.
+            else:
+                held[split].append(region)
+                ranges.append((region, flag))
+    return ranges
+
+
+def _overlaps(ranges: list[tuple[Region, str]]) -> list[str]:
+    """Overlaps among held-out ranges (whole contigs are checked on their own): sorted by position, each range is
+    compared with the one reaching furthest before it, so a long range covering several is caught."""
+    problems = []
     reach: tuple[Region, str] | None = None
-    for b, flag_b in ranges:
+    for b, flag_b in sorted(ranges, key=lambda p: (p[0].contig, p[0].start)):
         if reach is not None and reach[0].contig == b.contig and b.start < reach[0].end:
             problems.append(
                 f"{flag_b}: {_fmt(b)} overlaps {_fmt(reach[0])} from {reach[1]}; held-out ranges must be disjoint"
             )
         if reach is None or reach[0].contig != b.contig or b.end > reach[0].end:
             reach = (b, flag_b)
-    if problems:
-        raise SplitError(_join(problems))
+    return problems
 
-    order = {name: i for i, name in enumerate(lengths)}
+
+def _train_regions(lengths: Mapping[str, int], whole: dict[str, str], held: list[Region]) -> list[Region]:
+    """Everything not held out, contig by contig in the genome's order."""
     cuts_by_contig: dict[str, list[tuple[int, int]]] = {}
-    for r in held["val"] + held["test"]:
+    for r in held:
         cuts_by_contig.setdefault(r.contig, []).append((r.start, r.end))
     train: list[Region] = []
     for name, length in lengths.items():
         if name in whole:
             continue
-        cuts = sorted(cuts_by_contig.get(name, []))
         cursor = 0
-        for start, end in cuts:
+        for start, end in sorted(cuts_by_contig.get(name, [])):
             if start > cursor:
                 train.append(Region(name, cursor, start))
             cursor = max(cursor, end)
         if cursor < length:
             train.append(Region(name, cursor, int(length)))
-    if not train and not allow_no_train:
-        raise SplitError(
-            "--data.val_contigs/--data.val_ranges/--data.test_contigs/--data.test_ranges hold out the whole "
-            "genome: no training data is left"
-        )
-    split = {"train": train}
-    for name in ("val", "test"):
-        split[name] = sorted(held[name], key=lambda r: (order[r.contig], r.start))
-    return split
+    return train
 
 
 def restrict(regions: list[Region], n_free: Mapping[str, np.ndarray]) -> list[Region]:

@@ -1,6 +1,6 @@
 """Individual genomes from a reference and a VCF: per-haplotype edits, applying them, and lifting coordinates.
 
-This is the only module that imports pysam (DESIGN.md: one seam per heavy dependency); VCF/BCF parsing is
+This is the only module that imports pysam (docs/architecture.md: one seam per heavy dependency); VCF/BCF parsing is
 htslib's, through `pysam.VariantFile`. What this module adds is the checks that turn a VCF into sequence
 safely: genotypes become haplotypes only where the phase is known, every REF allele must match the FASTA,
 alleles that are not sequence (symbolic, breakends, `*`) are refused, and no two edits of one haplotype may

@@ -1,9 +1,15 @@
-"""Transformer building blocks: RMSNorm, rotary position embedding, SwiGLU MLP, self-attention, Block.
+"""Transformer building blocks: RMSNorm, rotary position embedding, SwiGLU MLP, self-attention, Block, and the
+layer factory they are built with.
 
-A LLaMA-style pre-norm block without biases. Every linear layer is its own named nn.Linear
-(qkv, proj, w_gate, w_up, w_down) so tensor parallelism can later swap them for column/row-parallel
-layers from outside; for the same reason the forward passes infer the number of local heads and the
-local hidden width from the layers' outputs instead of assuming the full model width.
+A LLaMA-style pre-norm block without biases. Its linear layers (qkv, proj, w_gate, w_up, w_down), the token
+embedding and the LM head are made by a layer factory chosen at construction (Megatron core's layer specs):
+DenseLayers here, or parallel/tensor_parallel.py's TensorParallelLayers, whose column- and row-parallel layers
+hold one tensor-parallel rank's shard. The forward passes infer the number of local heads and the local hidden
+width from the layers' outputs, so the same code runs both.
+
+Every factory keeps one guarantee: with the same seed, a model built by any of them starts from the same weights
+(a shard is the slice of the dense weight), because a sharded layer consumes the random stream exactly as its
+dense counterpart does, at construction and at initialisation (`init_normal_`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,45 @@ from torch import nn
 
 from megagenome.config import ModelConfig, d_ff
 from megagenome.model.attention import attention
+
+
+class DenseLayers:
+    """The layer factory of a model that lives whole on one rank: plain torch layers, no biases.
+
+    A factory makes column(in, out) (a linear whose output features a tensor-parallel split would shard), row(in,
+    out) (one whose input features it would), embedding(rows, dim), head(dim, rows, tied) (the LM head, sharing the
+    embedding's weight when tied is given), token_loss(embedding, vocab_size) (the per-token loss of the head's
+    output, None: cross entropy of the full logits, DNATransformer.forward) and attention_dropout_rng (a context
+    manager factory entered around attention dropout, None: the default generator)."""
+
+    attention_dropout_rng = None
+
+    def column(self, in_features: int, out_features: int) -> nn.Module:
+        return nn.Linear(in_features, out_features, bias=False)
+
+    def row(self, in_features: int, out_features: int) -> nn.Module:
+        return nn.Linear(in_features, out_features, bias=False)
+
+    def embedding(self, rows: int, dim: int) -> nn.Module:
+        return nn.Embedding(rows, dim)
+
+    def head(self, dim: int, rows: int, tied: nn.Module | None = None) -> nn.Module:
+        head = self.column(dim, rows)  # built (and its random draws made) even when tied, as every factory does
+        if tied is not None:
+            head.weight = tied.weight
+        return head
+
+    def token_loss(self, embedding: nn.Module, vocab_size: int) -> Callable | None:
+        return None
+
+
+def init_normal_(module: nn.Module, std: float) -> None:
+    """Draw a linear or embedding weight from N(0, std^2): a dense layer in place; a sharded one (it has its own
+    init_normal_) draws the dense weight the same way and keeps its shard. Other modules are left alone."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    elif hasattr(module, "init_normal_"):
+        module.init_normal_(std)
 
 
 class RMSNorm(nn.Module):
@@ -75,8 +120,9 @@ class RotaryEmbedding(nn.Module):
 class SelfAttention(nn.Module):
     """Multi-head self-attention with rotary q/k; causal for the clm objective, bidirectional for mlm."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None):
         super().__init__()
+        layers = layers or DenseLayers()
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"--model.d_model={cfg.d_model} is not divisible by --model.n_head={cfg.n_head}")
         self.head_dim = cfg.d_model // cfg.n_head
@@ -86,8 +132,8 @@ class SelfAttention(nn.Module):
         # Fused projection whose 3*d outputs are laid out per head as (n_head, 3, head_dim), the
         # Megatron layout: splitting the output dimension into contiguous shards gives each
         # tensor-parallel rank whole heads with their own q, k and v.
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.qkv = layers.column(cfg.d_model, 3 * cfg.d_model)
+        self.proj = layers.row(cfg.d_model, cfg.d_model)
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
         # Selective activation checkpointing: a checkpoint function (fn(function, *args)) that recomputes
         # only the attention core in backward; its saved tensors are the largest per FLOP. None: keep them.
@@ -98,10 +144,10 @@ class SelfAttention(nn.Module):
         # None: the rank holds whole sequences.
         self.sequence_parallel: Callable | None = None
         self.sequence_rank = 0
-        # Tensor parallelism (installed from outside by parallel/tensor_parallel.py): dropout_rng(device) is a
-        # context manager entered around the attention core when dropout is on, so that ranks holding
-        # different heads draw different attention-dropout masks. None: the default generator.
-        self.dropout_rng: Callable | None = None
+        # Tensor parallelism (the factory's attention_dropout_rng): dropout_rng(device) is a context manager
+        # entered around the attention core when dropout is on, so that ranks holding different heads draw
+        # different attention-dropout masks. None: the default generator.
+        self.dropout_rng: Callable | None = layers.attention_dropout_rng
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout_p = self.dropout if self.training else 0.0
@@ -132,12 +178,13 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: w_down(silu(w_gate(x)) * w_up(x)), no biases."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None):
         super().__init__()
+        layers = layers or DenseLayers()
         hidden = d_ff(cfg)
-        self.w_gate = nn.Linear(cfg.d_model, hidden, bias=False)
-        self.w_up = nn.Linear(cfg.d_model, hidden, bias=False)
-        self.w_down = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.w_gate = layers.column(cfg.d_model, hidden)
+        self.w_up = layers.column(cfg.d_model, hidden)
+        self.w_down = layers.row(hidden, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.w_gate(x)) * self.w_up(x)  # (B, T, d_ff)
@@ -147,12 +194,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), with residual dropout."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = SelfAttention(cfg)
+        self.attn = SelfAttention(cfg, layers)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layers)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megagenome.config import ModelConfig
-from megagenome.model.layers import Block, RMSNorm
+from megagenome.model.layers import Block, DenseLayers, RMSNorm, init_normal_
 
 # Embedding rows are padded to a multiple of this so the LM-head matmul has tensor-core friendly shapes.
 VOCAB_MULTIPLE = 8
@@ -28,10 +28,23 @@ def padded_vocab_size(vocab_size: int) -> int:
     return VOCAB_MULTIPLE * math.ceil(vocab_size / VOCAB_MULTIPLE)
 
 
-class DNATransformer(nn.Module):
-    """A LLaMA-style transformer for single-nucleotide DNA tokens (clm or mlm objective)."""
+def dense_parameters(cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
+    """(parameters of the whole model, tied weights once; parameters of one block) for cfg: what the FLOP counts
+    use, whatever shard a rank holds. Counted on a model built on the meta device (no memory, random stream
+    untouched)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        dense = DNATransformer(cfg, vocab_size)
+    return dense.num_parameters(), sum(p.numel() for p in dense.blocks[0].parameters())
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+
+class DNATransformer(nn.Module):
+    """A LLaMA-style transformer for single-nucleotide DNA tokens (clm or mlm objective).
+
+    layers: the factory of its linears, embedding, head and loss (model/layers.py): DenseLayers (the default) for a
+    whole model, or a tensor-parallel factory for this rank's shard of it; the same seed gives the same weights.
+    """
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, layers: DenseLayers | None = None):
         super().__init__()
         if vocab_size <= 0:
             raise ValueError(f"vocab_size={vocab_size}: must be positive")
@@ -43,32 +56,31 @@ class DNATransformer(nn.Module):
         self.vocab_size = vocab_size
         self.padded_vocab_size = padded_vocab_size(vocab_size)
 
-        self.embed = nn.Embedding(self.padded_vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        layers = layers or DenseLayers()
+        self.embed = layers.embedding(self.padded_vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, layers) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, self.padded_vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=self.embed if cfg.tie_embeddings else None)
 
         self.set_checkpoint_function(None)
         self.sequence_parallel_size = 1
-        # Per-token loss fn(head_output, labels) -> (B*T,) float32 cross entropy, replaceable from outside:
-        # tensor parallelism (parallel/tensor_parallel.py) installs a vocabulary-parallel one that takes the
-        # LM head's output shard (B, T, padded_vocab / tp) as it is. None: cross entropy of the full logits.
-        self.token_loss: Callable | None = None
+        # Per-token loss fn(head_output, labels) -> (B*T,) float32 cross entropy: a tensor-parallel factory's
+        # vocabulary-parallel one takes the LM head's output shard (B, T, padded_vocab / tp) as it is. None: cross
+        # entropy of the full logits.
+        self.token_loss: Callable | None = layers.token_loss(self.embed, vocab_size)
         self.apply(self._init_weights)
         # GPT-2 rule: each block adds two residual branches, so scaling the projections that write
         # into the residual stream by 1/sqrt(2 * n_layer) keeps its variance independent of depth.
         residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.w_down.weight, mean=0.0, std=residual_std)
+            init_normal_(block.attn.proj, residual_std)
+            init_normal_(block.mlp.w_down, residual_std)
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
-        elif isinstance(module, RMSNorm):
+        if isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        else:
+            init_normal_(module, self.cfg.init_std)
 
     def set_checkpoint_function(self, fn: Callable | None) -> None:
         """Install the activation-checkpoint function fn(function, *args) used by --model.checkpointing.

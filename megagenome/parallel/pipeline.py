@@ -8,12 +8,12 @@ DeepSpeed's pipeline engine runs a flat list of layers, each stage owning a cont
     n + 1        final RMSNorm          the module
     n + 2        LM head                TiedLayerSpec("embed", forward_fn=tied_head), else the module
 
-Every rank builds the dense DNATransformer with the run's seed (as pp=1 does), converts it to its tensor-parallel
-shard when --parallel.tensor > 1 (parallel/tensor_parallel.py), and hands DeepSpeed its modules: the stage keeps
-the ones it owns, so a pp=2 run starts from, and can be compared with, pp=1 (and tp x pp with tp). Tied
-embeddings are rebuilt by DeepSpeed on the first and the last stage and loaded with the model's weights (this
-rank's vocabulary shard under tensor parallelism); DeepSpeed all-reduces the two copies' gradients, so both hold
-the dense model's gradient (embedding part + head part) and stay equal.
+Every rank builds the DNATransformer with the run's seed (as pp=1 does), with the tensor-parallel layer factory when
+--parallel.tensor > 1 (its shard of the same weights, parallel/tensor_parallel.py), and hands DeepSpeed its modules: the
+stage keeps the ones it owns, so a pp=2 run starts from, and can be compared with, pp=1 (and tp x pp with tp). Tied
+embeddings are rebuilt by DeepSpeed on the first and the last stage and loaded with the model's weights (this rank's
+vocabulary shard under tensor parallelism); DeepSpeed all-reduces the two copies' gradients, so both hold the dense
+model's gradient (embedding part + head part) and stay equal.
 
 With tensor parallelism the grid is DeepSpeed's pipe x data x model topology, rank = (stage * dp + dp_rank) * tp
 + tp_rank: ParallelState's layout with sp = 1. Between stages travels one (B, T, d_model) activation, replicated
@@ -25,12 +25,12 @@ A micro batch is (input_ids, (labels, loss_weight)): DeepSpeed feeds the first p
 the second to `loss_fn` on the last stage, so the loss weights travel with the labels. `loss_fn` is
 DNATransformer.forward's weighted cross-entropy, line for line.
 
-The loop drives this engine through `train_step` (one engine.train_batch per optimizer step, its micro
-batches pulled through DeepSpeed's schedule) and `eval_sums` (engine.eval_batch), chosen once in
-pretrain.py. Checkpoints are DeepSpeed's pipeline layout: one layer_XX[-model_YY]-model_states.pt per layer
-(and tensor rank; tied copies after the first are not written) plus one mp_rank_XX_model_states.pt of
-optimizer state per stage and tensor rank; `dense_state_dict` reassembles the layer files into
-DNATransformer's state dict.
+The loop drives this engine through `train_step` (one engine.train_batch per optimizer step, its micro batches pulled
+through DeepSpeed's schedule; the loop's StepFn, like train/loop.py forward_backward_step) and `eval_sums`
+(engine.eval_batch), chosen once by the assembly (pretrain.py train_step, assembly.py Run.eval_sums). Checkpoints are
+DeepSpeed's pipeline layout: one layer_XX[-model_YY]-model_states.pt per layer (and tensor rank; tied copies after the
+first are not written) plus one mp_rank_XX_model_states.pt of optimizer state per stage and tensor rank;
+`dense_state_dict` reassembles the layer files into DNATransformer's state dict.
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megagenome.config import ModelConfig, ParallelConfig, RootConfig
+from megagenome.config import ModelConfig, ParallelConfig
 from megagenome.model import DNATransformer
 from megagenome.parallel import tensor_parallel
 
-PARTITION_METHODS = ("parameters", "uniform")  # or "type:<layer class regex>"
 TIED_KEY = "embed"
 
 
@@ -102,54 +101,11 @@ def layer_specs(model: DNATransformer, tp_group=None) -> list:
     return [embed, *model.blocks, model.norm, head]
 
 
-def problems(cfg: RootConfig) -> list[str]:
-    """Why the run config cannot run pipeline-parallel (empty when it can). The ZeRO stage, which lives in the
-    DeepSpeed JSON, is checked with the other merged-JSON checks (train/engine.py check_run_against_ds)."""
-    par, m = cfg.parallel, cfg.model
-    out = []
-    method = par.pipeline_partition
-    if method not in PARTITION_METHODS:
-        # DeepSpeed matches type:NAME as a case-insensitive regex against the layers' class names.
-        tp = par.tensor > 1
-        embedding, head = ("VocabParallelEmbedding", "ColumnParallelLinear") if tp else ("Embedding", "Linear")
-        classes = [embedding, "Block", "RMSNorm"] + ([] if m.tie_embeddings else [head])
-        name = method[len("type:") :] if method.startswith("type:") else ""
-        try:
-            found = bool(name) and any(re.search(name, c, re.IGNORECASE) for c in classes)
-        except re.error:
-            found = False
-        if not found:
-            out.append(
-                f"--parallel.pipeline_partition={method!r}: use parameters, uniform or type:NAME with NAME "
-                f"matching a layer class ({', '.join(classes)}), e.g. type:Block"
-            )
-    if par.pipeline_checkpoint_interval < 0:
-        out.append(f"--parallel.pipeline_checkpoint_interval={par.pipeline_checkpoint_interval}: must be >= 0")
-    if par.pipeline <= 1:
-        if par.pipeline_checkpoint_interval > 0:
-            out.append(
-                f"--parallel.pipeline_checkpoint_interval={par.pipeline_checkpoint_interval} only applies with "
-                "--parallel.pipeline > 1; use --model.checkpointing without pipeline parallelism"
-            )
-        return out
-    if m.n_layer < par.pipeline:
-        out.append(
-            f"--model.n_layer={m.n_layer} is below --parallel.pipeline={par.pipeline}: every stage needs at least "
-            "one transformer block"
-        )
-    if m.checkpointing in ("full", "every_k"):
-        out.append(
-            f"--model.checkpointing={m.checkpointing} is not run by the pipeline engine (it runs the layers "
-            "itself): with --parallel.pipeline > 1 use --parallel.pipeline_checkpoint_interval N instead "
-            "(recompute segments of N layers); --model.checkpointing selective still works"
-        )
-    return out
-
-
 def build(model: DNATransformer, par: ParallelConfig, state, checkpoint_fn: Callable | None = None):
     """This rank's stage as a PipelineModule made of `model`'s layers: the dense model, or this rank's shard of it
-    after tensor_parallel.apply_tensor_parallel when state.tp > 1. Call model.set_checkpoint_function first (the
-    blocks keep their selective recompute function).
+    (built with tensor_parallel.TensorParallelLayers) when state.tp > 1. Call model.set_checkpoint_function first
+    (the blocks keep their selective recompute function). par: --parallel.pipeline_partition and
+    --parallel.pipeline_checkpoint_interval (the layout, parallel/layout.py, has checked them).
 
     state: the run's ParallelState; the stage layout must be DeepSpeed's pipe x data (x model) topology of the
     same ranks. checkpoint_fn: the configured DeepSpeed checkpoint function when the DeepSpeed JSON has an
@@ -221,13 +177,9 @@ def as_pipe_batch(batch: dict[str, torch.Tensor]) -> tuple:
     return batch["input_ids"], (batch["labels"], batch["loss_weight"])
 
 
-def _own_grad_norm(engine) -> bool:
-    """Plain fp32 ZeRO-0 is the one case where DeepSpeed records no global gradient norm (train/loop.py)."""
-    return not (engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
-
-
-def _grad_norm(engine) -> float:
-    """2-norm of the step's gradients over every stage and tensor rank (each gradient counted once)."""
+def grad_norm(engine) -> float:
+    """2-norm of the step's gradients over every stage and tensor rank (each gradient counted once): the StepFn's
+    grad_norm where DeepSpeed records none (train/engine.py reports_grad_norm)."""
     import torch.distributed as dist
 
     squares = torch.zeros((), dtype=torch.float64, device=engine.device)
@@ -258,22 +210,23 @@ def train_step(
     train_batch: Callable[[int, int], dict],
     to_device: Callable[[dict], dict],
     grad_accum: int,
+    grad_norm: Callable[[], float] | None = None,
     on_gradients: Callable[[int], None] | None = None,
 ) -> Callable[[int], tuple[float, float | None]]:
-    """The loop's step function (train/loop.py StepFn) for a pipeline engine: one engine.train_batch per
-    optimizer step, over the grad_accum micro batches train_batch(step, m) of this data-parallel rank.
+    """The loop's step function (train/loop.py StepFn, the same signature as forward_backward_step) for a pipeline
+    engine: one engine.train_batch per optimizer step, over the grad_accum micro batches train_batch(step, m) of
+    this data-parallel rank.
 
     Only the first and last stages read data (DeepSpeed pulls inputs and labels there), lazily. Returns
-    (loss, grad_norm): the loss is the step's mean over micro batches and data-parallel ranks, as DeepSpeed
-    broadcasts it to every stage; grad_norm is measured here under fp32 ZeRO-0, else None (the engine's).
-    on_gradients(step) runs on every rank right before the optimizer step.
+    (loss, grad_norm()): the loss is the step's mean over micro batches and data-parallel ranks, as DeepSpeed
+    broadcasts it to every stage. grad_norm() and on_gradients(step) run on every rank right before the optimizer
+    step.
     """
     current = {"step": -1, "norm": None}
-    own_norm = _own_grad_norm(engine)
 
     def hook() -> None:
-        if own_norm:
-            current["norm"] = _grad_norm(engine)
+        if grad_norm is not None:
+            current["norm"] = grad_norm()
         if on_gradients is not None:
             on_gradients(current["step"])
 

@@ -35,30 +35,6 @@ import torch
 SEQUENCE_KEYS = ("input_ids", "labels", "loss_weight")  # the (B, T) tensors of a batch
 
 
-def sequence_problems(seq_len: int, n_head: int, sp: int, tp: int = 1, pp: int = 1) -> list[str]:
-    """Why --parallel.sequence=sp cannot split this model and window length (empty when it can)."""
-    if sp <= 1:
-        return []
-    problems = []
-    if seq_len > 0 and seq_len % sp:
-        problems.append(
-            f"--data.seq_len={seq_len} is not divisible by --parallel.sequence={sp}: each sequence-parallel "
-            "rank holds an equal chunk of every window"
-        )
-    if n_head > 0 and tp > 0 and n_head % (sp * tp):
-        problems.append(
-            f"--model.n_head={n_head} is not divisible by --parallel.sequence={sp}"
-            + (f" x --parallel.tensor={tp}" if tp > 1 else "")
-            + ": sequence parallelism gives each rank whole attention heads over the full sequence"
-        )
-    if pp > 1:
-        problems.append(
-            f"--parallel.sequence={sp} with --parallel.pipeline={pp} is not supported: DeepSpeed's pipeline "
-            "engine reduces gradients over the data-parallel group only, not over sequence-parallel ranks"
-        )
-    return problems
-
-
 def shard_batch(batch: dict[str, torch.Tensor], rank: int, size: int, loss_factor: int = 1) -> dict[str, torch.Tensor]:
     """Chunk `rank` of `size` of every (B, T) tensor in `batch`, plus "weight_total": the loss weight of the
     whole batch (at least 1) divided by loss_factor, by which the model divides this chunk's nll (module docstring).

@@ -6,10 +6,11 @@ sequence, then data, then pipeline:
 
     rank = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank,   world = tp * sp * dp * pp
 
-With sp = 1 this is Megatron's tp x dp x pp = world. `ParallelState.build` creates every process group
-once (all ranks must create all groups, in the same order) and its methods are the duck-typed `mpu`
-that `deepspeed.initialize(mpu=...)` and `deepspeed.checkpointing.configure` expect. Nothing here is a
-module global: the state is passed explicitly to whatever needs it.
+With sp = 1 this is Megatron's tp x dp x pp = world. The degrees come from a validated ParallelLayout
+(parallel/layout.py); `ParallelState.build` creates every process group once (all ranks must create all
+groups, in the same order) and its methods are the duck-typed `mpu` that `deepspeed.initialize(mpu=...)` and
+`deepspeed.checkpointing.configure` expect. Nothing here is a module global: the state is passed explicitly to
+whatever needs it.
 """
 
 from __future__ import annotations
@@ -18,31 +19,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from megagenome.parallel.layout import ParallelLayout
+
 AXES = ("tp", "sp", "dp", "pp")  # fastest-varying first
-
-
-def layout_problems(world_size: int, tp: int, pp: int, sp: int = 1) -> list[str]:
-    """Why tp x sp x dp x pp cannot cover world_size (empty when it can); dp is what is left."""
-    problems = []
-    for flag, value in [("parallel.tensor", tp), ("parallel.pipeline", pp), ("parallel.sequence", sp)]:
-        if value < 1:
-            problems.append(f"--{flag}={value}: must be at least 1")
-    if problems:
-        return problems
-    model = tp * pp * sp
-    if world_size % model:
-        problems.append(
-            f"world size {world_size} is not divisible by --parallel.tensor={tp} x --parallel.sequence={sp} x "
-            f"--parallel.pipeline={pp} = {model}; the data-parallel size would be {world_size / model:g}"
-        )
-    return problems
-
-
-def data_parallel_size(world_size: int, tp: int, pp: int, sp: int = 1) -> int:
-    problems = layout_problems(world_size, tp, pp, sp)
-    if problems:
-        raise ValueError("; ".join(problems))
-    return world_size // (tp * pp * sp)
 
 
 def coords(rank: int, tp: int, sp: int, dp: int, pp: int) -> dict[str, int]:
@@ -65,7 +44,9 @@ def group_ranks(world_size: int, tp: int, pp: int, sp: int = 1) -> dict[str, lis
     the unit DeepSpeed calls model parallel). "sdp": sp x dp (the ranks that hold the same weights and
     reduce gradients together when sequence parallelism splits a sample across sp ranks).
     """
-    dp = data_parallel_size(world_size, tp, pp, sp)
+    if min(tp, pp, sp) < 1 or world_size % (tp * pp * sp):
+        raise ValueError(f"world size {world_size} does not split into tensor {tp} x sequence {sp} x pipeline {pp}")
+    dp = world_size // (tp * pp * sp)
     sizes = {"tp": tp, "sp": sp, "dp": dp, "pp": pp}
     kinds = {"tp": ("tp",), "sp": ("sp",), "dp": ("dp",), "pp": ("pp",), "model": ("tp", "pp"), "sdp": ("sp", "dp")}
     out: dict[str, list[list[int]]] = {}
@@ -96,16 +77,16 @@ class ParallelState:
     members: dict[str, list[int]] = field(default_factory=dict)  # kind -> this rank's group members
 
     @classmethod
-    def build(cls, rank: int, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1, new_group=None):
-        """Create every group (collectively, on every rank) and keep this rank's. new_group defaults to
+    def build(cls, rank: int, layout: ParallelLayout, new_group=None) -> ParallelState:
+        """Create every group of `layout` (collectively, on every rank) and keep this rank's. new_group defaults to
         torch.distributed.new_group; tests pass a stand-in to check the bookkeeping without processes."""
         if new_group is None:
             import torch.distributed as dist
 
             new_group = dist.new_group
-        layout = group_ranks(world_size, tp, pp, sp)
-        state = cls(rank, world_size, tp, pp, sp, data_parallel_size(world_size, tp, pp, sp))
-        for kind, groups in layout.items():
+        tp, pp, sp = layout.tensor, layout.pipeline, layout.sequence
+        state = cls(rank, layout.world_size, tp, pp, sp, layout.data_parallel)
+        for kind, groups in group_ranks(layout.world_size, tp, pp, sp).items():
             for ranks in groups:
                 handle = new_group(ranks)
                 if rank in ranks:

@@ -1,5 +1,6 @@
 """Megatron-style tensor parallelism (layer L1): column/row-parallel linears, vocabulary-parallel embedding and
-cross entropy, dropout RNG streams, and `apply_tensor_parallel`, which converts a dense DNATransformer in place.
+cross entropy, dropout RNG streams, and `TensorParallelLayers`, the layer factory that builds one rank's shard of
+DNATransformer at construction (model/layers.py), as Megatron core chooses its parallel layers.
 
 Plain torch + torch.distributed; every collective runs over the tensor-parallel group of a ParallelState
 (passed in, never a global). The scheme is Megatron-LM's (Shoeybi et al. 2019):
@@ -18,8 +19,8 @@ of w_gate/w_up). Norm weights are replicated: every tensor-parallel rank compute
 
 Sharded parameters carry `tensor_model_parallel = True`, `partition_dim` and `partition_stride` (Megatron's
 names; DeepSpeed's gradient-norm code counts such parameters on every rank and replicated ones on tensor rank 0
-only, so clipping sees each gradient once). Shards are slices of the dense weights: build the dense model with
-the same seed on every rank, then convert, and tensor parallelism starts from exactly the dense model.
+only, so clipping sees each gradient once). Shards are slices of the dense weights: with the same seed on every
+rank, the factory's model starts from exactly the dense model's weights.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # Which dimension of each sharded weight is split (0: output rows, column-parallel; 1: input columns,
-# row-parallel), by parameter-name suffix. The one table apply_tensor_parallel and merge_shards both use.
+# row-parallel), by parameter-name suffix: how merge_shards reassembles the dense weights of a checkpoint.
 PARTITION_DIMS = {
     "attn.qkv.weight": 0,
     "attn.proj.weight": 1,
@@ -65,29 +66,6 @@ def merge_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
         dim = partition_dim(name)
         out[name] = first if dim is None or len(shards) == 1 else torch.cat([s[name] for s in shards], dim=dim)
     return out
-
-
-def tensor_parallel_problems(n_head: int, d_ff: int, padded_vocab: int, tp: int) -> list[str]:
-    """Why a model cannot be split over --parallel.tensor=tp ranks (empty when it can)."""
-    if tp <= 1:
-        return []
-    problems = []
-    if n_head % tp:
-        problems.append(
-            f"--model.n_head={n_head} is not divisible by --parallel.tensor={tp}: each tensor-parallel rank "
-            "computes whole attention heads"
-        )
-    if d_ff % tp:
-        problems.append(
-            f"the MLP width d_ff={d_ff} (--model.d_ff, default 8/3 x --model.d_model rounded up to 64) is not "
-            f"divisible by --parallel.tensor={tp}"
-        )
-    if padded_vocab % tp:
-        problems.append(
-            f"the padded vocabulary ({padded_vocab} rows) is not divisible by --parallel.tensor={tp}: each "
-            "tensor-parallel rank holds an equal block of embedding rows"
-        )
-    return problems
 
 
 # ----- communication as autograd functions (Megatron's mappings) ---------------------------------------------
@@ -193,6 +171,15 @@ def _shard(weight: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor
     return weight.detach().chunk(size, dim=dim)[rank].clone()  # a copy, so the dense tensor can be freed
 
 
+def _init_shard_normal_(weight: torch.Tensor, dense_shape: tuple[int, int], dim: int, group, std: float) -> None:
+    """Fill this rank's shard of a weight split along `dim`: draw the dense weight from N(0, std^2) exactly as
+    nn.init.normal_ would (the same random numbers in the same order), keep the slice."""
+    dense = torch.empty(dense_shape, dtype=weight.dtype, device=weight.device)
+    nn.init.normal_(dense, mean=0.0, std=std)
+    with torch.no_grad():
+        weight.copy_(dense.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)])
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T with the rows of A (the output features) split over the group: this rank holds rows
     [r*out/tp, (r+1)*out/tp). The input is replicated (identity forward, gradient all-reduced backward); the
@@ -218,6 +205,10 @@ class ColumnParallelLinear(nn.Module):
         if linear.bias is not None:
             layer.bias.data = _shard(linear.bias, 0, rank, size)
         return layer
+
+    def init_normal_(self, std: float) -> None:
+        """Initialise as the dense layer's nn.init.normal_ would, keeping this rank's rows."""
+        _init_shard_normal_(self.weight, (self.out_features, self.in_features), 0, self.group, std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tensor_parallel_region(x, self.group)  # (..., in)
@@ -252,6 +243,10 @@ class RowParallelLinear(nn.Module):
             layer.bias.data = linear.bias.detach().clone()
         return layer
 
+    def init_normal_(self, std: float) -> None:
+        """Initialise as the dense layer's nn.init.normal_ would, keeping this rank's columns."""
+        _init_shard_normal_(self.weight, (self.out_features, self.in_features), 1, self.group, std)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)  # (..., in/tp)
@@ -282,6 +277,10 @@ class VocabParallelEmbedding(nn.Module):
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group)
         layer.weight.data = _shard(embedding.weight, 0, dist.get_rank(group), dist.get_world_size(group))
         return layer
+
+    def init_normal_(self, std: float) -> None:
+        """Initialise as the dense embedding's nn.init.normal_ would, keeping this rank's rows."""
+        _init_shard_normal_(self.weight, (self.num_embeddings, self.embedding_dim), 0, self.group, std)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # (B, T)
@@ -389,47 +388,44 @@ class TensorParallelRNG:
             yield
 
 
-# ----- the model conversion --------------------------------------------------------------------------------------
+# ----- the layer factory ------------------------------------------------------------------------------------------
 
 
-def apply_tensor_parallel(model: nn.Module, state, seed: int = 0) -> nn.Module:
-    """Convert a dense DNATransformer, in place, into this rank's tensor-parallel shard; returns it.
+class TensorParallelLayers:
+    """The layer factory (model/layers.py DenseLayers' protocol) of one tensor-parallel rank's shard of the model:
+    qkv, w_gate and w_up column-parallel, proj and w_down row-parallel, the embedding vocabulary-parallel with the
+    LM head tied to its shard (or sharded alike when untied), the loss the vocabulary-parallel cross entropy, and
+    attention dropout on this rank's stream (TensorParallelRNG with base seed `seed`).
 
-    state: a ParallelState (its tensor-parallel group, rank and size are used). Call it on the dense model
-    built with the same seed on every rank, before the DeepSpeed engine wraps it: qkv, w_gate and w_up become
-    column-parallel, proj and w_down row-parallel, the embedding vocabulary-parallel with the LM head tied to
-    its shard (or sharded alike when untied), and the loss the vocabulary-parallel cross entropy. seed is the
-    base seed of the tensor-parallel dropout stream (TensorParallelRNG).
+    Each layer is built dense (nn.Linear / nn.Embedding, drawing from the random stream exactly as DenseLayers
+    does) and cut to this rank's shard at once, and its initialisation draws the dense weight and keeps the shard
+    (init_normal_): with the same seed, DNATransformer(cfg, V, TensorParallelLayers(...)) holds exactly the slices
+    of DNATransformer(cfg, V)'s weights, and only one dense layer exists at a time.
     """
-    size = state.get_tensor_model_parallel_world_size()
-    if size == 1:
-        return model
-    group, rank = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_rank()
-    cfg = model.cfg
-    d_ff = model.blocks[0].mlp.w_up.out_features
-    problems = tensor_parallel_problems(cfg.n_head, d_ff, model.padded_vocab_size, size)
-    if problems:
-        raise ValueError("; ".join(problems))
-    rng = TensorParallelRNG(seed, rank)
-    for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear.from_dense(attn.qkv, group)
-        attn.proj = RowParallelLinear.from_dense(attn.proj, group)
-        attn.dropout_rng = rng.fork
-        mlp.w_gate = ColumnParallelLinear.from_dense(mlp.w_gate, group)
-        mlp.w_up = ColumnParallelLinear.from_dense(mlp.w_up, group)
-        mlp.w_down = RowParallelLinear.from_dense(mlp.w_down, group)
-    tied = model.lm_head.weight is model.embed.weight
-    embed = VocabParallelEmbedding.from_dense(model.embed, group)
-    head = ColumnParallelLinear.from_dense(model.lm_head, group) if not tied else None
-    if tied:
-        head = ColumnParallelLinear(cfg.d_model, model.padded_vocab_size, group)
-        head.weight = embed.weight  # the same Parameter: one shard, two uses, as in the dense model
-    model.embed, model.lm_head = embed, head
-    model.token_loss = functools.partial(
-        vocab_parallel_cross_entropy, vocab_start=embed.vocab_start, vocab_size=model.vocab_size, group=group
-    )
-    return model
+
+    def __init__(self, state, seed: int):
+        self.group = state.get_tensor_model_parallel_group()
+        self.attention_dropout_rng = TensorParallelRNG(seed, state.get_tensor_model_parallel_rank()).fork
+
+    def column(self, in_features: int, out_features: int) -> ColumnParallelLinear:
+        return ColumnParallelLinear.from_dense(nn.Linear(in_features, out_features, bias=False), self.group)
+
+    def row(self, in_features: int, out_features: int) -> RowParallelLinear:
+        return RowParallelLinear.from_dense(nn.Linear(in_features, out_features, bias=False), self.group)
+
+    def embedding(self, rows: int, dim: int) -> VocabParallelEmbedding:
+        return VocabParallelEmbedding.from_dense(nn.Embedding(rows, dim), self.group)
+
+    def head(self, dim: int, rows: int, tied: VocabParallelEmbedding | None = None) -> ColumnParallelLinear:
+        head = self.column(dim, rows)
+        if tied is not None:
+            head.weight = tied.weight  # the same Parameter: one shard, two uses, as in the dense model
+        return head
+
+    def token_loss(self, embedding: VocabParallelEmbedding, vocab_size: int):
+        return functools.partial(
+            vocab_parallel_cross_entropy, vocab_start=embedding.vocab_start, vocab_size=vocab_size, group=self.group
+        )
 
 
 def grad_norm(parameters, mpu=None) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megagenome.parallel.layout import ParallelLayout
 from megagenome.planner.activations import (
     ModelShape,
     activation_bytes,
@@ -65,9 +66,13 @@ class Setup:
     mask_bytes: int = 1  # CUDA dropout masks are bool
     comm_bytes: int | None = None
 
+    def layout(self, gpus: int | None = None) -> ParallelLayout:
+        """tensor x data parallelism over the cluster's GPUs (or `gpus` of them: the scaling table)."""
+        return ParallelLayout(gpus or self.cluster.gpus, tensor=self.tp)
+
     @property
     def dp(self) -> int:
-        return self.cluster.gpus // self.tp
+        return self.layout().data_parallel
 
     def knobs(self, stage: int, offload: bool) -> dict:
         return {**DS_DEFAULTS, **self.zero.get((stage, offload), {})}
@@ -76,8 +81,8 @@ class Setup:
 def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
     """Memory by component (GPU and host, GiB) and step time of one candidate; `gpus` overrides the cluster size
     (the scaling table), keeping micro batch and accumulation."""
-    shape, tp = setup.shape, setup.tp
-    dp = (gpus or setup.cluster.gpus) // tp
+    shape, tp, layout = setup.shape, setup.tp, setup.layout(gpus)
+    dp = layout.data_parallel
     accum = max(1, setup.global_batch // (setup.dp * cand.micro))
     prec = setup.precision.at_stage(cand.stage)
     knobs = setup.knobs(cand.stage, cand.offload)
@@ -119,7 +124,7 @@ def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
         comm_bytes=setup.comm_bytes,
         gathered_tensors=sum(1 for n in param_numels(shape, tp) if n > knobs["stage3_param_persistence_threshold"]),
     )
-    tokens = cand.micro * accum * dp * setup.seq
+    tokens = layout.batch_of(cand.micro, accum).global_batch * setup.seq
     return {
         "stage": cand.stage,
         "offload": "cpu" if cand.offload else "none",
@@ -186,7 +191,7 @@ def scaling(setup: Setup, cand: Candidate, sizes: tuple[int, ...] = SCALING_GPUS
     return [
         {
             "gpus": r["gpus"],
-            "global_batch": r["micro_batch"] * r["grad_accum"] * r["gpus"] // setup.tp,
+            "global_batch": setup.layout(r["gpus"]).batch_of(r["micro_batch"], r["grad_accum"]).global_batch,
             "step_s": r["step_s"],
             "compute_s": r["compute_s"],
             "comm_exposed_s": r["step_s"] - r["compute_s"],

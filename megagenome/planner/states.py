@@ -1,9 +1,10 @@
 """Per-rank model-state and buffer bytes under each ZeRO stage, precision and offload (layer L1, pure arithmetic).
 
-Two figures per configuration. The paper's (Rajbhandari et al. 2020; DESIGN.md; metrics.zero_model_state_bytes):
-16Psi, 4Psi + 12Psi/N, 2Psi + 14Psi/N, 16Psi/N for mixed-precision Adam. And what DeepSpeed 0.19.8 implements,
-measured tensor by tensor on 2 CPU ranks (tests/test_memory.py, tests/test_plan.py), with p the weight bytes
-(2 bf16/fp16, 4 fp32), g the gradient-accumulation bytes (data_types.grad_accum_dtype, default the weights'):
+Two figures per configuration. The paper's (Rajbhandari et al. 2020; docs/architecture.md;
+metrics.zero_model_state_bytes): 16Psi, 4Psi + 12Psi/N, 2Psi + 14Psi/N, 16Psi/N for mixed-precision Adam. And what
+DeepSpeed 0.19.8 implements, measured tensor by tensor on 2 CPU ranks (tests/test_memory.py, tests/test_plan.py), with p
+the weight bytes (2 bf16/fp16, 4 fp32), g the gradient-accumulation bytes (data_types.grad_accum_dtype, default the
+weights'):
 
     stage  params               grads                              fp32 master   Adam
     0      p Psi                p Psi (16-bit: accumulation only   4Psi (16-bit) 8Psi
@@ -138,7 +139,7 @@ def model_states(
 
 
 def paper_bytes(psi: int, stage: int, dp: int) -> float:
-    """The ZeRO paper's per-rank model states for mixed-precision Adam (DESIGN.md)."""
+    """The ZeRO paper's per-rank model states for mixed-precision Adam (docs/architecture.md)."""
     from megagenome.metrics import zero_model_state_bytes
 
     return zero_model_state_bytes(psi, stage, dp)

@@ -22,6 +22,7 @@ import shutil
 
 import torch
 
+from megagenome.parallel.layout import ParallelLayout
 from megagenome.train import universal  # a DeepSpeed seam: it imports deepspeed inside its functions
 
 MARKER = "COMPLETE"
@@ -29,7 +30,7 @@ INFO = "client_state.json"  # step, samples_consumed, config_hash, format and th
 UNIVERSAL_ROOT = "checkpoints_universal"  # convert-checkpoint's default output, beside <run dir>/checkpoints
 _TAG = re.compile(r"^step_(\d+)$")
 _ZERO_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-LAYOUT_KEYS = ("world_size", "tensor", "pipeline", "sequence", "data_parallel", "zero_stage")
+LAYOUT_KEYS = tuple(ParallelLayout(1).record())  # world_size, tensor, pipeline, sequence, data_parallel, zero_stage
 
 
 def tag_for(step: int) -> str:
@@ -150,11 +151,7 @@ def describe(layout: dict) -> str:
     """'2 ranks (tensor 1 x pipeline 1 x sequence 1 x data 2, ZeRO stage 1)'."""
     if "world_size" not in layout:
         return f"{layout.get('zero_partitions', '?')} ZeRO partition(s)"
-    n = layout["world_size"]
-    return (
-        f"{n} rank{'s' if n != 1 else ''} (tensor {layout['tensor']} x pipeline {layout['pipeline']} x sequence "
-        f"{layout['sequence']} x data {layout['data_parallel']}, ZeRO stage {layout['zero_stage']})"
-    )
+    return ParallelLayout.from_record(layout).describe()
 
 
 def _partitions(layout: dict) -> int:

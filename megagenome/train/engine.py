@@ -1,340 +1,26 @@
-"""The DeepSpeed seam (layer L2): engine JSON checks, the config merge, process groups, initialize.
+"""The DeepSpeed runtime seam (layer L2): process groups, deepspeed.initialize, collectives, and what can only be
+asked of the installed DeepSpeed (its pydantic config models, whether its async I/O op builds here).
 
 Everything that touches `deepspeed` lives here and in the other seams: train/universal.py (universal
-checkpoints), train/memory.py (model-state bytes) and parallel/pipeline.py. The rest of
-the package sees a DeepSpeed engine only through `engine(**batch)`, `backward`, `step`,
-`save_checkpoint` and `load_checkpoint`, plus the small collective helpers below.
-
-Ownership (DESIGN.md): the run config owns batch sizes, optimizer, schedule and clipping; the
-DeepSpeed JSON owns engine knobs. A key set in both is an error naming both files.
+checkpoints), train/memory.py (model-state bytes) and parallel/pipeline.py. The DeepSpeed JSON as data (merge,
+checks, the final dict) is train/ds_config.py, which imports no deepspeed. The rest of the package sees a
+DeepSpeed engine only through `engine(**batch)`, `backward`, `step`, `save_checkpoint` and `load_checkpoint`,
+plus the small collective helpers below.
 """
 
 from __future__ import annotations
 
-import difflib
+import enum
 import json
 import os
+import pathlib
 import socket
+import types
+import typing
 from typing import Any
 
-from megagenome.config import RootConfig, batch_sizes, scaled_lr
 from megagenome.train import universal
-
-# Top-level keys DeepSpeed 0.19 reads. DeepSpeed silently ignores anything else, so a typo such as
-# "zero_optimisation" would train without ZeRO; we reject unknown keys instead.
-DS_TOP_LEVEL_KEYS = frozenset(
-    {
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "optimizer",
-        "scheduler",
-        "fp16",
-        "bf16",
-        "torch_autocast",
-        "amp",
-        "gradient_clipping",
-        "prescale_gradients",
-        "gradient_predivide_factor",
-        "gradient_allreduce_op",
-        "communication_data_type",
-        "seq_parallel_communication_data_type",
-        "zero_optimization",
-        "zero_allow_untested_optimizer",
-        "zero_force_ds_cpu_optimizer",
-        "activation_checkpointing",
-        "flops_profiler",
-        "wall_clock_breakdown",
-        "memory_breakdown",
-        "steps_per_print",
-        "dump_state",
-        "disable_allgather",
-        "disable_python_gc",
-        "comms_logger",
-        "tensorboard",
-        "wandb",
-        "csv_monitor",
-        "comet",
-        "autotuning",
-        "elasticity",
-        "data_efficiency",
-        "curriculum_learning",
-        "checkpoint",
-        "data_types",
-        "aio",
-        "dataloader_drop_last",
-        "log_level",
-        "pipeline",
-        "hybrid_engine",
-        "compile",
-        "timers",
-        "tensor_parallel",
-        "expert_parallel",
-        "weight_quantization",
-        "compression_training",
-        "sparse_attention",
-        "sparse_gradients",
-        "nebula",
-        "managed_gradient_accumulation",
-        "use_data_before_expert_parallelism",
-    }
-)
-
-# Keys the run config writes into the merged dict, with the flag that owns each.
-ROOT_OWNED_KEYS = {
-    "train_batch_size": "--train.global_batch_size",
-    "train_micro_batch_size_per_gpu": "--train.micro_batch_size",
-    "gradient_accumulation_steps": "--train.grad_accum_steps",
-    "gradient_clipping": "--train.grad_clip",
-    "optimizer": "--train.lr and the other --train optimizer flags",
-    "scheduler": "--train.warmup_steps / --train.max_steps / --train.min_lr",
-}
-
-ACTIVATION_CHECKPOINTING_KEYS = frozenset(
-    {
-        "partition_activations",
-        "contiguous_memory_optimization",
-        "cpu_checkpointing",
-        "number_checkpoints",
-        "synchronize_checkpoint_boundary",
-        "profile",
-    }
-)
-
-
-class DSConfigError(ValueError):
-    """A DeepSpeed JSON that cannot be read."""
-
-
-def load_ds_json(path: str) -> dict:
-    """Read a DeepSpeed JSON file; syntax errors name the file, line and column."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as e:
-        raise DSConfigError(f"--train.ds_config={path}: cannot read the DeepSpeed JSON ({e.strerror})") from None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DSConfigError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
-    if not isinstance(value, dict):
-        raise DSConfigError(f"{path}: the DeepSpeed JSON must be an object, found {type(value).__name__}")
-    return value
-
-
-def merge_fragments(paths: list[str]) -> tuple[dict, dict[str, str], list[str]]:
-    """Deep-merge JSON fragments in order. Returns (merged, source file of each top-level key, problems).
-
-    Objects merge key by key; a leaf (or a leaf against an object) set to different values by two files is
-    a conflict reported with the key path and both files, never a silent win for the later file.
-    """
-    merged: dict = {}
-    origin: dict[str, str] = {}  # dotted key path -> file that set it
-    problems: list[str] = []
-
-    def merge(into: dict, new: dict, path: str, prefix: str) -> None:
-        for key, value in new.items():
-            dotted = f"{prefix}{key}"
-            if key not in into:
-                into[key] = json.loads(json.dumps(value))
-                _record(origin, value, dotted, path)
-            elif isinstance(into[key], dict) and isinstance(value, dict):
-                merge(into[key], value, path, dotted + ".")
-            elif into[key] != value:
-                problems.append(
-                    f"{dotted!r} is set to {into[key]!r} in {origin.get(dotted, '?')} and to {value!r} in {path}; "
-                    "the fragments of --train.ds_config must not disagree"
-                )
-
-    for path in paths:
-        try:
-            merge(merged, load_ds_json(path), path, "")
-        except DSConfigError as e:
-            problems.append(str(e))
-    top = {key.split(".")[0]: src for key, src in origin.items()}
-    return merged, top, problems
-
-
-def _record(origin: dict[str, str], value, dotted: str, path: str) -> None:
-    origin[dotted] = path
-    if isinstance(value, dict):
-        for key, inner in value.items():
-            _record(origin, inner, f"{dotted}.{key}", path)
-
-
-def _unknown(keys, allowed, where: str, path: str) -> list[str]:
-    problems = []
-    for key in keys:
-        if key not in allowed:
-            near = difflib.get_close_matches(key, sorted(allowed), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            problems.append(f"{path}: unknown DeepSpeed key {where}{key!r}{hint}")
-    return problems
-
-
-def _pydantic_problems(model_cls, section: str, value, path: str) -> list[str]:
-    """Validate one section with DeepSpeed's own pydantic model (it forbids unknown keys)."""
-    from pydantic import ValidationError
-
-    if not isinstance(value, dict):
-        return [f"{path}: {section!r} must be an object"]
-    try:
-        model_cls(**value)
-    except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            loc = f"{section}.{'.'.join(str(p) for p in err['loc'])}"
-            if err["type"] == "extra_forbidden":
-                problems.append(f"{path}: unknown DeepSpeed key {loc!r}")
-            else:
-                problems.append(f"{path}: {loc}: {err['msg']}")
-        return problems
-    except (ValueError, TypeError, AssertionError) as e:
-        return [f"{path}: {section}: {e}"]
-    return []
-
-
-def check_ds_config(
-    ds: dict, path: str, run_config_path: str, on_gpu: bool, sources: dict[str, str] | None = None
-) -> list[str]:
-    """Every problem with a (merged) DeepSpeed dict, before any process group exists.
-
-    `sources` maps each top-level key to the fragment that set it, so messages name the right file.
-    """
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    def src(key: str) -> str:
-        return (sources or {}).get(key, path)
-
-    problems = []
-    for key in ds:
-        problems += _unknown([key], DS_TOP_LEVEL_KEYS, "", src(key))
-    for key, flag in ROOT_OWNED_KEYS.items():
-        if key in ds:
-            problems.append(
-                f"{key!r} is set in both {src(key)} and the run config {run_config_path} ({flag}); "
-                "the run config owns it: remove it from the JSON"
-            )
-    ckpt = ds.get("checkpoint")
-    if isinstance(ckpt, dict) and "load_universal" in ckpt:
-        problems.append(
-            f"'checkpoint.load_universal' is set in both {src('checkpoint')} and the run config {run_config_path} "
-            "(--checkpoint.universal); the run config owns it: remove it from the JSON"
-        )
-    for section, model_cls in [
-        ("zero_optimization", DeepSpeedZeroConfig),
-        ("bf16", DeepSpeedBF16Config),
-        ("fp16", DeepSpeedFP16Config),
-    ]:
-        if section in ds:
-            problems += _pydantic_problems(model_cls, section, ds[section], src(section))
-    if _enabled(ds, "bf16") and _enabled(ds, "fp16"):
-        problems.append(f"{src('bf16')} and {src('fp16')}: bf16.enabled and fp16.enabled cannot both be true")
-    if _enabled(ds, "fp16") and not on_gpu:
-        problems.append(
-            f"{src('fp16')}: fp16.enabled needs a GPU; DeepSpeed's CPU accelerator cannot run fp16 "
-            '("Type fp16 is not supported on your device"); use ds_configs/bf16.json on CPU'
-        )
-    problems += _accumulation_problems(ds, src)
-    ac = ds.get("activation_checkpointing")
-    if ac is not None:
-        where = src("activation_checkpointing")
-        if not isinstance(ac, dict):
-            problems.append(f"{where}: 'activation_checkpointing' must be an object")
-        else:
-            problems += _unknown(ac, ACTIVATION_CHECKPOINTING_KEYS, "activation_checkpointing.", where)
-            if ac.get("cpu_checkpointing") and not ac.get("partition_activations"):
-                problems.append(
-                    f"{where}: activation_checkpointing.cpu_checkpointing needs partition_activations: true "
-                    "(DeepSpeed silently mishandles it otherwise)"
-                )
-            if ac.get("contiguous_memory_optimization") and not (
-                ac.get("partition_activations") and ac.get("number_checkpoints")
-            ):
-                problems.append(
-                    f"{where}: activation_checkpointing.contiguous_memory_optimization needs partition_activations: "
-                    "true and number_checkpoints (the number of checkpointed segments)"
-                )
-    return problems
-
-
-def _accumulation_problems(ds: dict, src) -> list[str]:
-    """ZeRO stage 0 accumulates gradients only in the model's own dtype: DeepSpeed 0.19 refuses e.g. bf16 with
-    data_types.grad_accum_dtype fp32 at initialize ("unsupported mix of model_dtype and grad_accum_dtype")."""
-    from deepspeed.runtime.config import DtypeEnum
-
-    zero = ds.get("zero_optimization")
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    types = ds.get("data_types")
-    accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
-    if stage != 0 or accum is None:
-        return []
-    model = "fp16" if _enabled(ds, "fp16") else "bf16" if _enabled(ds, "bf16") else "fp32"
-    try:
-        accum_name = DtypeEnum(accum).name
-    except ValueError:
-        return []  # DeepSpeed's own config validation reports an unknown dtype name
-    if accum_name == model:
-        return []
-    return [
-        f"{src('data_types')}: data_types.grad_accum_dtype={accum!r} with {model} weights needs ZeRO stage 1 or "
-        f"higher (zero_optimization.stage is 0 in {src('zero_optimization')}); at stage 0 DeepSpeed accumulates "
-        f"gradients in the model's dtype only: drop data_types.grad_accum_dtype or use a ZeRO stage >= 1"
-    ]
-
-
-def _enabled(ds: dict, section: str) -> bool:
-    value = ds.get(section)
-    return isinstance(value, dict) and bool(value.get("enabled"))
-
-
-def offload_devices(ds: dict) -> set[str]:
-    """Devices ("cpu", "nvme") that ZeRO offloads parameters or optimizer states to."""
-    zero = ds.get("zero_optimization") or {}
-    return {
-        (zero.get(k) or {}).get("device", "none")
-        for k in ("offload_param", "offload_optimizer")
-        if isinstance(zero.get(k), dict)
-    } - {"none"}
-
-
-def check_run_against_ds(cfg: RootConfig, ds: dict, path: str) -> list[str]:
-    """Problems that need both the run config and the DeepSpeed dict."""
-    problems = []
-    has_ac = "activation_checkpointing" in ds
-    pipeline_recomputes = cfg.parallel.pipeline > 1 and cfg.parallel.pipeline_checkpoint_interval > 0
-    if has_ac and cfg.model.checkpointing == "none" and not pipeline_recomputes:
-        problems.append(
-            f"{path} configures activation_checkpointing but --model.checkpointing=none recomputes nothing; "
-            "choose full, every_k or selective (or --parallel.pipeline_checkpoint_interval with pipeline stages)"
-        )
-    zero = ds.get("zero_optimization")
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if cfg.parallel.pipeline > 1 and isinstance(stage, int) and stage >= 2:
-        problems.append(
-            f"{path}: zero_optimization.stage={stage} cannot run with --parallel.pipeline={cfg.parallel.pipeline}: "
-            "DeepSpeed's pipeline engine rejects ZeRO stages 2 and 3 (it reduces gradients itself, after the last "
-            "micro batch); use ZeRO stage 0 or 1 (e.g. ds_configs/zero1.json)"
-        )
-    if cfg.parallel.sequence > 1 and stage == 3 and zero.get("reduce_scatter") is False:
-        problems.append(
-            f"{path}: zero_optimization.reduce_scatter=false at stage 3 cannot run with --parallel.sequence="
-            f"{cfg.parallel.sequence}: DeepSpeed 0.19 then scales sequence-parallel gradients differently from one "
-            "reduction bucket to the next (see sequence_parallel_grad_factor); drop the key (default true)"
-        )
-    if "nvme" in offload_devices(ds):
-        zero = ds.get("zero_optimization", {})
-        if any(
-            isinstance(zero.get(k), dict) and "nvme_path" in zero[k] for k in ("offload_param", "offload_optimizer")
-        ):
-            problems.append(
-                f"{path}: nvme_path is owned by the run config (--train.nvme_path); remove it from the JSON"
-            )
-        if not cfg.train.nvme_path:
-            problems.append(f"{path} offloads to NVMe: set --train.nvme_path to a directory on a local NVMe drive")
-        problems += nvme_problems()
-    return problems
+from megagenome.train.ds_schema import SCHEMA_FILE
 
 
 def nvme_problems() -> list[str]:
@@ -353,50 +39,105 @@ def nvme_problems() -> list[str]:
     ]
 
 
-def build_ds_config(cfg: RootConfig, ds: dict, dp_size: int, on_gpu: bool) -> dict:
-    """The exact dict given to deepspeed.initialize: the JSON plus the root-owned keys."""
-    t = cfg.train
-    micro, accum, global_batch = batch_sizes(t, dp_size)
-    merged = json.loads(json.dumps(ds))  # deep copy; the JSON file's dict is never mutated
-    merged.setdefault("steps_per_print", 10**9)  # our loop does the logging
-    torch_adam = (not on_gpu) if t.torch_adam is None else t.torch_adam
-    lr, min_lr = scaled_lr(t, global_batch)
-    merged.update(
-        {
-            "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": accum,
-            "train_batch_size": global_batch,
-            "gradient_clipping": t.grad_clip,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": lr,
-                    "betas": [t.beta1, t.beta2],
-                    "eps": t.adam_eps,
-                    "weight_decay": t.weight_decay,
-                    "torch_adam": torch_adam,
-                },
-            },
-            "scheduler": {
-                "type": "WarmupCosineLR",
-                "params": {
-                    "total_num_steps": t.max_steps,
-                    "warmup_num_steps": max(1, t.warmup_steps),
-                    "warmup_type": "linear",
-                    "warmup_min_ratio": 0.0,
-                    "cos_min_ratio": min_lr / lr,
-                },
-            },
-        }
-    )
-    if cfg.checkpoint.universal:
-        merged.setdefault("checkpoint", {})["load_universal"] = True
-    if t.nvme_path:
-        zero = merged.get("zero_optimization", {})
-        for key in ("offload_param", "offload_optimizer"):
-            if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme":
-                zero[key]["nvme_path"] = t.nvme_path
-    return merged
+# The sections train/ds_config.py checks against ds_sections.json, and the DeepSpeed model that validates each.
+CHECKED_SECTIONS = {
+    "zero_optimization": "deepspeed.runtime.zero.config:DeepSpeedZeroConfig",
+    "bf16": "deepspeed.runtime.precision_config:DeepSpeedBF16Config",
+    "fp16": "deepspeed.runtime.precision_config:DeepSpeedFP16Config",
+}
+
+
+def section_schema() -> dict:
+    """The fields of each checked section as the installed DeepSpeed's pydantic models declare them (names and
+    aliases, types, nullability, numeric bounds, nested blocks): what ds_sections.json holds."""
+    import importlib
+
+    out = {}
+    for section, where in CHECKED_SECTIONS.items():
+        module, name = where.split(":")
+        out[section] = _model_fields(getattr(importlib.import_module(module), name))
+    return out
+
+
+def write_section_schema(path: str = SCHEMA_FILE) -> None:
+    """Rewrite ds_sections.json from the installed DeepSpeed (after an upgrade; tests/test_ds_config.py checks it)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(section_schema(), fh, indent=1, sort_keys=True)
+        fh.write("\n")
+
+
+def _model_fields(model) -> dict:
+    fields = {}
+    for name, info in model.model_fields.items():
+        spec = _type_spec(info.annotation)
+        for bound in info.metadata:
+            for attr, key in (
+                ("ge", "minimum"),
+                ("gt", "exclusive_minimum"),
+                ("le", "maximum"),
+                ("lt", "exclusive_maximum"),
+            ):
+                if getattr(bound, attr, None) is not None:
+                    spec[key] = getattr(bound, attr)
+        fields[name] = spec
+        if info.alias and info.alias != name:  # DeepSpeed's models take a field by name or by alias
+            fields[info.alias] = {**spec, "alias_of": name}
+    return fields
+
+
+def _type_spec(annotation) -> dict:
+    """A field type as ds_config.py checks it: boolean, integer, number, string, enum, array, object, any."""
+    from pydantic import BaseModel
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        nullable = len(args) < len(typing.get_args(annotation))
+        specs = [_type_spec(a) for a in args]
+        spec = specs[0] if len(specs) == 1 else {"type": sorted({s["type"] for s in specs})}
+        return {**spec, "nullable": True} if nullable else spec
+    if typing.get_origin(annotation) is list:
+        return {"type": "array", "items": _type_spec(args[0]) if args else {"type": "any"}}
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return {"type": "object", "fields": _model_fields(annotation)}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return {"type": "enum", "values": [m.value for m in annotation]}
+    simple = {bool: "boolean", int: "integer", float: "number", str: "string", pathlib.Path: "string"}
+    return {"type": simple.get(annotation, "any")}
+
+
+def section_problems(ds: dict, sources: dict[str, str], path: str) -> list[str]:
+    """Every problem of the checked sections of a (merged) DeepSpeed dict, as the installed DeepSpeed's own pydantic
+    models find them, cross-field rules included (train/ds_schema.py holds the deepspeed-free copy). sources maps a
+    top-level key to the fragment that set it; path names the JSON otherwise."""
+    import importlib
+
+    from pydantic import ValidationError
+
+    problems = []
+    for section, where in CHECKED_SECTIONS.items():
+        if section not in ds:
+            continue
+        src = sources.get(section, path)
+        if not isinstance(ds[section], dict):
+            problems.append(f"{src}: {section!r} must be an object")
+            continue
+        module, name = where.split(":")
+        try:
+            getattr(importlib.import_module(module), name)(**ds[section])
+        except ValidationError as e:
+            for err in e.errors():
+                loc = f"{section}.{'.'.join(str(p) for p in err['loc'])}"
+                unknown = err["type"] == "extra_forbidden"
+                problems.append(f"{src}: unknown DeepSpeed key {loc!r}" if unknown else f"{src}: {loc}: {err['msg']}")
+        except (ValueError, TypeError, AssertionError) as e:
+            problems.append(f"{src}: {section}: {e}")
+    return problems
+
+
+def reports_grad_norm(engine) -> bool:
+    """Whether DeepSpeed records the step's global gradient norm: under ZeRO or mixed precision, not for plain fp32
+    ZeRO-0, where the step function measures it itself (train/loop.py StepFn)."""
+    return bool(engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
 
 
 def on_gpu() -> bool:
@@ -462,7 +203,7 @@ def sequence_parallel_grad_factor(ds_config: dict, sp: int) -> int:
     Sequence-parallel ranks hold shares of one loss, so their gradients must be summed (and averaged over data
     parallelism only). ZeRO 0-2 do that: they all-reduce over the sp x dp group and divide by dp. ZeRO-3's
     reduce-scatter (`__avg_scatter_grads`, used whenever zero_optimization.reduce_scatter is true, the default)
-    divides by sp x dp, ignoring the sequence-parallel size. pretrain.py multiplies the loss by this factor so
+    divides by sp x dp, ignoring the sequence-parallel size. The run multiplies the loss by this factor so
     the gradients come out right; tests/test_sequence_parallel.py compares every stage against sp = 1.
     """
     zero = ds_config.get("zero_optimization") or {}

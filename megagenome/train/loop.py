@@ -1,9 +1,9 @@
 """The training loop (layer L3): step, evaluate, log, checkpoint.
 
-It talks to the DeepSpeed engine only through `engine(**batch)`, `backward`, `step` (or, for a
-pipeline engine, the step and eval functions pretrain.py passes in: parallel/pipeline.py) and the checkpoint
-module, and gets batches, collectives and checkpoint saving as plain callables, so the
-same loop serves any data source and any parallel layout.
+It talks to the DeepSpeed engine only through a step function (StepFn: `forward_backward_step` below, or a
+pipeline engine's, parallel/pipeline.py), `engine(**batch)` for evaluation (or the pipeline's eval function),
+its learning rate, gradient norm and loss scale, and gets batches, collectives and checkpoint saving as plain
+callables, so the same loop serves any data source and any parallel layout.
 
 Stopping for a requeue: while fit() runs (from the start of pretrain.run, which passes its StopRequest in), the
 checkpoint signal (LoopPlan.stop_signal, SIGUSR1 by default) only sets a flag. After every step the flag is summed
@@ -35,7 +35,6 @@ import torch
 
 from megagenome.config import signal_number
 from megagenome.metrics import MetricsWriter, bits_per_base
-from megagenome.parallel import tensor_parallel
 
 
 @dataclass
@@ -45,7 +44,6 @@ class LoopPlan:
     start_step: int
     max_steps: int
     stop_at: int  # last step of this invocation (== max_steps unless the run is split into jobs)
-    grad_accum: int
     global_batch: int
     seq_len: int
     log_interval: int
@@ -136,7 +134,13 @@ def evaluate(
 
 StepFn = Callable[[int], tuple[float, float | None]]
 """One optimizer step, all its micro batches: step index -> (this rank's loss, the mean over the step's micro
-batches; the gradient norm if the step measured it, else None and the engine's is logged)."""
+batches; the gradient norm if the step measured it, else None and the engine's is logged).
+
+Two implementations, with one signature: `forward_backward_step` below (engine(**batch), backward and step per
+micro batch) and parallel/pipeline.py `train_step` (DeepSpeed's pipeline schedule). Both take train_batch(step,
+micro_step), to_device, the accumulation, and two optional callables run when the step's gradients are complete
+(reduced, not yet applied): grad_norm() -> float, given where DeepSpeed records no norm of its own (train/engine.py
+reports_grad_norm), and on_gradients(step) (pretrain.py measures model-state memory there)."""
 
 
 def forward_backward_step(
@@ -144,10 +148,11 @@ def forward_backward_step(
     train_batch: Callable[[int, int], dict],
     to_device: Callable[[dict], dict],
     grad_accum: int,
+    grad_norm: Callable[[], float] | None = None,
     on_gradients: Callable[[int], None] | None = None,
 ) -> StepFn:
     """The step of a plain DeepSpeed engine: engine(**batch), backward and step for each micro batch
-    train_batch(step, m); on_gradients(step) runs between the last backward and the optimizer step."""
+    train_batch(step, m); grad_norm() and on_gradients(step) run between the last backward and the optimizer step."""
 
     def run(step: int) -> tuple[float, float | None]:
         step_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
@@ -155,10 +160,11 @@ def forward_backward_step(
         for micro_step in range(grad_accum):
             loss, _, _ = engine(**to_device(train_batch(step, micro_step)))
             engine.backward(loss)
-            if micro_step == grad_accum - 1 and not _engine_reports_grad_norm(engine):
-                own_norm = _grad_norm(engine)  # gradients are reduced by now, step() clears them
-            if micro_step == grad_accum - 1 and on_gradients is not None:
-                on_gradients(step)
+            if micro_step == grad_accum - 1:
+                if grad_norm is not None:
+                    own_norm = grad_norm()  # gradients are reduced by now, step() clears them
+                if on_gradients is not None:
+                    on_gradients(step)
             engine.step()
             step_loss += loss.detach().to(torch.float64)
         return float(step_loss) / grad_accum, own_norm  # float() waits for the device
@@ -166,32 +172,36 @@ def forward_backward_step(
     return run
 
 
+@dataclass
+class _Window:
+    """What a logging window has accumulated: the summed step losses, the steps and the time spent in them."""
+
+    loss: float = 0.0
+    steps: int = 0
+    seconds: float = 0.0
+
+
 def fit(
     engine,
     plan: LoopPlan,
-    train_batch: Callable[[int, int], dict],
+    train_step: StepFn,
     run_eval: Callable[[], dict],
     save_checkpoint: Callable[[int], None],
     writer: MetricsWriter,
     reduce_sum: Callable[[list[float]], list[float]],
-    to_device: Callable[[dict], dict],
     progress: bool,
-    on_gradients: Callable[[int], None] | None = None,
-    train_step: StepFn | None = None,
+    tokens: TokenCounter | None = None,
     stop: StopRequest | None = None,
 ) -> dict:
-    """Train from plan.start_step to plan.max_steps; returns the last logged train row and eval row.
+    """Train from plan.start_step to plan.stop_at; returns the last logged train row and eval row.
 
-    train_step runs one optimizer step; by default forward_backward_step(engine, train_batch, to_device,
-    plan.grad_accum, on_gradients). pretrain.py chooses it once: that one, or a pipeline engine's
-    (parallel/pipeline.py train_step), which takes train_batch and on_gradients itself. on_gradients(step),
-    when given, runs at every step between the last backward and the optimizer step, when the gradients of
-    the step are complete (pretrain.py measures model-state memory there). Real tokens are counted when
-    train_batch is a TokenCounter that train_step draws its batches from (the default train_step wraps
-    train_batch itself); otherwise window_real_tokens is None.
+    train_step runs one optimizer step (StepFn). tokens, the TokenCounter train_step draws its batches from, gives
+    each row's real-token count (without it, window_real_tokens is None).
 
     With plan.stop_signal set, that signal on any rank ends the run after the current step: the step is logged, a
     checkpoint of it saved, and Preempted raised (unless the step was the invocation's last, which ends as usual).
+    stop: the StopRequest pretrain.py installed at start-up, so that a signal then is not lost (default: one
+    installed for the duration of fit).
     """
     from tqdm.auto import tqdm
 
@@ -203,79 +213,30 @@ def fit(
         dynamic_ncols=True,
         disable=not (progress and plan.rank == 0),
     )
-    counter = train_batch if isinstance(train_batch, TokenCounter) else TokenCounter(train_batch)
-    if train_step is None:
-        train_step = forward_backward_step(engine, counter, to_device, plan.grad_accum, on_gradients)
-    device = engine.device
-    tokens_per_step = plan.global_batch * plan.seq_len
-    hw_flops_per_token = plan.flops_per_token if plan.hw_flops_per_token is None else plan.hw_flops_per_token
     last_train: dict = {}
     last_eval: dict = {}
-    # Throughput counts only time spent in training steps, not evaluation or checkpoint saving.
-    window_loss, window_steps, window_time = 0.0, 0, 0.0
+    window = _Window()  # throughput counts only time spent in training steps, not evaluation or checkpoint saving
     engine.train()
-    own_stop = stop is None  # pretrain.py passes one it installed at start-up, so a signal then is not lost
+    own_stop = stop is None
     stop = StopRequest(plan.stop_signal) if own_stop else stop
     try:
         for step in range(plan.start_step, plan.stop_at):
             started = time.perf_counter()
             step_loss, own_norm = _step_or_stop(train_step, engine, step, save_checkpoint)
-            window_loss += step_loss
-            window_time += time.perf_counter() - started
-            window_steps += 1
+            window.loss += step_loss
+            window.seconds += time.perf_counter() - started
+            window.steps += 1
             done = step + 1
             last = done == plan.stop_at
             # At the last step there is nothing left to stop: the run ends as usual (exit code 0).
             preempted = stop.agreed(reduce_sum) and not last
             if done % plan.log_interval == 0 or last or preempted:
-                real, batches = counter.take()
-                mem_peak = peak_memory_bytes(device)
-                peaks = [0.0] * plan.world_size
-                peaks[plan.rank] = float(mem_peak)
-                counts = [real, batches] if plan.counts_tokens else [0, 0]
-                loss_sum, real_sum, batch_sum, *peaks = reduce_sum([window_loss, *counts, *peaks])
-                mean_loss = loss_sum * plan.loss_shards / (window_steps * plan.world_size)
-                window_tokens = tokens_per_step * window_steps
-                tokens_per_s = window_tokens / max(window_time, 1e-9)
-                tflops = plan.flops_per_token * tokens_per_s / plan.world_size / 1e12
-                hw_tflops = hw_flops_per_token * tokens_per_s / plan.world_size / 1e12
-                peak = plan.peak_tflops
-                grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
-                last_train = {
-                    "step": done,
-                    "tokens": done * tokens_per_step,
-                    "loss": mean_loss,
-                    "lr": float(engine.get_lr()[0]),
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "tokens_per_s": tokens_per_s,
-                    "tokens_per_s_per_gpu": tokens_per_s / plan.world_size,
-                    "tflops_per_gpu": tflops,
-                    "mfu": None if peak is None else tflops / peak,
-                    "hw_tflops_per_gpu": hw_tflops,
-                    "hfu": None if peak is None else hw_tflops / peak,
-                    "peak_tflops": peak,
-                    "peak_source": plan.peak_source,
-                    "window_tokens": window_tokens,
-                    "window_real_tokens": int(real_sum) if batch_sum else None,
-                    "mem_peak_bytes": mem_peak,
-                    "mem_peak_bytes_max": int(max(peaks)),
-                    "loss_scale": _loss_scale(engine),
-                    "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
-                }
+                last_train = _train_row(engine, plan, window, done, own_norm, tokens, reduce_sum)
                 writer.write(last_train)
-                bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-                window_loss, window_steps, window_time = 0.0, 0, 0.0
+                bar.set_postfix(loss=f"{last_train['loss']:.4f}", tok_s=f"{last_train['tokens_per_s']:,.0f}")
+                window = _Window()
             bar.update(1)
-            if preempted:  # the checkpoint first: a scheduler's grace time may not cover an evaluation too
-                save_checkpoint(done)
-            eval_due = (plan.eval_interval and done % plan.eval_interval == 0) or done == plan.max_steps
-            if eval_due:
-                last_eval = {"step": done, "split": "val", **run_eval()}
-                writer.write(last_eval)
-                if plan.rank == 0:
-                    bar.write(f"step {done}: held-out {last_eval['bits_per_base']:.4f} bits/base")
-            if ((plan.ckpt_interval and done % plan.ckpt_interval == 0) or last) and not preempted:
-                save_checkpoint(done)
+            last_eval = _after_step(plan, done, preempted, run_eval, save_checkpoint, writer, bar) or last_eval
             if preempted:
                 raise Preempted(
                     f"{stop.name} received: checkpoint of step {done} (of {plan.max_steps}) saved; exiting with "
@@ -288,6 +249,60 @@ def fit(
             stop.close()
         bar.close()
     return {"train": last_train, "eval": last_eval}
+
+
+def _after_step(plan: LoopPlan, done: int, preempted: bool, run_eval, save_checkpoint, writer, bar) -> dict | None:
+    """Checkpoint and evaluate as due after step `done`; returns the eval row if there was one."""
+    if preempted:  # the checkpoint first: a scheduler's grace time may not cover an evaluation too
+        save_checkpoint(done)
+    row = None
+    if (plan.eval_interval and done % plan.eval_interval == 0) or done == plan.max_steps:
+        row = {"step": done, "split": "val", **run_eval()}
+        writer.write(row)
+        if plan.rank == 0:
+            bar.write(f"step {done}: held-out {row['bits_per_base']:.4f} bits/base")
+    if ((plan.ckpt_interval and done % plan.ckpt_interval == 0) or done == plan.stop_at) and not preempted:
+        save_checkpoint(done)
+    return row
+
+
+def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tokens, reduce_sum) -> dict:
+    """The metrics row of a logging window (module docstring): one reduce_sum carries the loss, the real-token
+    count and every rank's peak memory."""
+    real, batches = tokens.take() if tokens is not None else (0, 0)
+    mem_peak = peak_memory_bytes(engine.device)
+    peaks = [0.0] * plan.world_size
+    peaks[plan.rank] = float(mem_peak)
+    counts = [real, batches] if plan.counts_tokens else [0, 0]
+    loss_sum, real_sum, batch_sum, *peaks = reduce_sum([window.loss, *counts, *peaks])
+    window_tokens = plan.global_batch * plan.seq_len * window.steps
+    tokens_per_s = window_tokens / max(window.seconds, 1e-9)
+    hw_flops_per_token = plan.flops_per_token if plan.hw_flops_per_token is None else plan.hw_flops_per_token
+    tflops = plan.flops_per_token * tokens_per_s / plan.world_size / 1e12
+    hw_tflops = hw_flops_per_token * tokens_per_s / plan.world_size / 1e12
+    peak = plan.peak_tflops
+    grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+    return {
+        "step": done,
+        "tokens": done * plan.global_batch * plan.seq_len,
+        "loss": loss_sum * plan.loss_shards / (window.steps * plan.world_size),
+        "lr": float(engine.get_lr()[0]),
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_gpu": tokens_per_s / plan.world_size,
+        "tflops_per_gpu": tflops,
+        "mfu": None if peak is None else tflops / peak,
+        "hw_tflops_per_gpu": hw_tflops,
+        "hfu": None if peak is None else hw_tflops / peak,
+        "peak_tflops": peak,
+        "peak_source": plan.peak_source,
+        "window_tokens": window_tokens,
+        "window_real_tokens": int(real_sum) if batch_sum else None,
+        "mem_peak_bytes": mem_peak,
+        "mem_peak_bytes_max": int(max(peaks)),
+        "loss_scale": _loss_scale(engine),
+        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+    }
 
 
 PREEMPTED_EXIT = 75
@@ -363,16 +378,6 @@ def _step_or_stop(train_step: StepFn, engine, step: int, save_checkpoint: Callab
             f"({_loss_scale(engine)}); the run cannot make progress. Checkpoint of step {step} saved. Lower "
             "--train.lr, raise fp16.min_loss_scale, or train in bf16."
         ) from e
-
-
-def _engine_reports_grad_norm(engine) -> bool:
-    """DeepSpeed records the global gradient norm under ZeRO or mixed precision, not for plain fp32 ZeRO-0."""
-    return bool(engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
-
-
-def _grad_norm(engine) -> float:
-    # engine.mpu (the ParallelState) makes the norm count each gradient once under tensor parallelism.
-    return tensor_parallel.grad_norm(engine.module.parameters(), getattr(engine, "mpu", None))
 
 
 def _loss_scale(engine) -> float | None:

@@ -1,10 +1,14 @@
 """Per-rank model-state bytes (layer L2, a DeepSpeed seam): params, gradients, fp32 master weights and optimizer
-states counted from the tensors a DeepSpeed engine holds, for memory.json and the memory tests and benchmarks.
-
-Split out of train/engine.py.
+states counted from the tensors a DeepSpeed engine holds, for memory.json (`memory_probe`) and the memory tests
+and benchmarks.
 """
 
 from __future__ import annotations
+
+from megagenome.metrics import zero_model_state_bytes
+from megagenome.record import write_json
+from megagenome.train import ds_config as dsc
+from megagenome.train import engine as ds
 
 # Attributes of DeepSpeed 0.19's optimizer wrappers that hold gradients (besides any tensor's .grad), by class:
 # BF16_Optimizer (ZeRO-1 with bf16 and fp32 gradient accumulation): the full-size fp32 accumulation buffer and
@@ -127,3 +131,31 @@ def _tensors_of(obj, attr: str = "", depth: int = 0, seen: set | None = None):
         return
     for name, value in children:
         yield from _tensors_of(value, name, depth + 1, seen)
+
+
+def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_size: int, ds_config: dict):
+    """A StepFn on_gradients callback (train/loop.py): at step index `at_step`, gather every rank's model-state
+    bytes (model_state_bytes) and have rank 0 write them to `path`, next to the ZeRO paper's formula
+    (metrics.zero_model_state_bytes; docs/architecture.md, "Performance method")."""
+
+    def probe(step: int) -> None:
+        if step != at_step:
+            return
+        ranks = ds.all_gather_object(model_state_bytes(engine))
+        if rank != 0:
+            return
+        stage = dsc.zero_stage(ds_config)
+        record = {
+            "step": step + 1,
+            "world_size": len(ranks),
+            "parameters": n_params,
+            "zero_stage": stage,
+            "offload": sorted(dsc.offload_devices(ds_config)),
+            "precision": dsc.weights_dtype(ds_config),
+            "grad_accum_dtype": ds_config.get("data_types", {}).get("grad_accum_dtype"),
+            "formula_bytes_per_rank": zero_model_state_bytes(n_params, stage, dp_size),
+            "ranks": ranks,
+        }
+        write_json(path, record)
+
+    return probe

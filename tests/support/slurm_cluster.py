@@ -9,7 +9,7 @@ completion log) lives in one temp directory; every daemon runs in the foreground
 and is stopped by its PID. The node is this machine (NodeName = `hostname -s`, NodeAddr 127.0.0.1) with its
 cores; ports are free ones picked at start, so the cluster does not collide with another one on the machine.
 There is no slurmdbd (so no sacct): final job states come from `scontrol show job` while slurmctld keeps the
-record (MinJobAge), else from the jobcomp/filetxt log. PLATFORM.md has the measured facts this follows.
+record (MinJobAge), else from the jobcomp/filetxt log. docs/platform.md has the measured facts this follows.
 
 Missing binaries (Debian: `apt-get install slurm-wlm munge`) raise SlurmUnavailable naming what is missing;
 the fixture turns that into a skip with the reason.

@@ -1,6 +1,6 @@
 """Tensor-parallel checks run inside a 2-rank process group (a test worker, not a test).
 
-tests/ds_scenarios.py calls `tensor_parallel_equivalence(run_dir)` as one of its scenarios, so it shares the
+support/worker.py calls `tensor_parallel_equivalence(run_dir)` as one of its scenarios, so it shares the
 launch with the tensor-parallel pretraining scenarios of tests/test_tensor_parallel.py. Every rank builds the
 dense reference locally (same seed, no communication), then the same computation split over the 2 ranks by
 megagenome.parallel.tensor_parallel, and writes what it measured to <run_dir>/rank<r>.json: largest absolute
@@ -18,13 +18,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megagenome.config import ModelConfig, RootConfig
+from megagenome.config import ModelConfig
 from megagenome.model import DNATransformer
 from megagenome.parallel import tensor_parallel as tp
+from megagenome.parallel.layout import ParallelLayout
 from megagenome.parallel.state import ParallelState
 from megagenome.train import engine
+from support.helpers import REPO, final_ds_config
+from support.saved import saved_storage_bytes
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 7  # padded to 8 rows: the last row of rank 1's shard is padding, which the loss must leave out
 B, T = 3, 32
 
@@ -132,8 +134,19 @@ def _pair(state, cfg: ModelConfig, seed: int = 0) -> tuple[DNATransformer, DNATr
     torch.manual_seed(seed)
     dense = DNATransformer(cfg, VOCAB)
     torch.manual_seed(seed)
-    sharded = tp.apply_tensor_parallel(DNATransformer(cfg, VOCAB), state, seed=1234)
+    sharded = DNATransformer(cfg, VOCAB, tp.TensorParallelLayers(state, seed=1234))
     return dense, sharded
+
+
+def _weight_diffs(dense: nn.Module, sharded: nn.Module, rank: int, size: int) -> float:
+    """Largest difference between this rank's weights and its slices of the dense model's (0: the factory's model
+    starts from exactly the dense weights)."""
+    local = dict(sharded.named_parameters())
+    worst = 0.0
+    for name, p in dense.named_parameters():
+        dim = tp.partition_dim(name)
+        worst = max(worst, _diff(local[name], p if dim is None else _chunk(p, dim, rank, size)))
+    return worst
 
 
 def _grad_diffs(dense: nn.Module, sharded: nn.Module, grads: dict[str, torch.Tensor], rank: int, size: int) -> float:
@@ -154,6 +167,7 @@ def _model(state, rank: int, size: int) -> dict:
             for checkpointing in ("none", "full"):
                 cfg = _model_cfg(objective=objective, tie_embeddings=tied, checkpointing=checkpointing)
                 dense, sharded = _pair(state, cfg)
+                initial = _weight_diffs(dense, sharded, rank, size)
                 loss, nll, weight = dense(**_batch())
                 loss.backward()
                 loss_tp, nll_tp, weight_tp = sharded(**_batch())
@@ -161,6 +175,7 @@ def _model(state, rank: int, size: int) -> dict:
                 grads = {n: p.grad for n, p in sharded.named_parameters()}
                 key = f"model/{objective}/tied={tied}/checkpointing={checkpointing}"
                 out[key] = {
+                    "initial_weights": initial,
                     "loss": abs(float(loss_tp) - float(loss)),
                     "nll": abs(float(nll_tp) - float(nll)),
                     "weight": abs(float(weight_tp) - float(weight)),
@@ -201,42 +216,6 @@ def _rng(state, rank: int) -> dict:
     }
 
 
-def _saved_bytes(forward, exclude: set[int]) -> tuple[int, int]:
-    """(total, deepspeed) bytes of the distinct storages kept for backward by forward(): autograd's saved tensors
-    (saved_tensors_hooks) plus what DeepSpeed's checkpoint keeps on its autograd node (deepspeed_saved_tensors,
-    and, for partitioned or CPU-checkpointed inputs, the `saved_data` it moves their data to), minus the storages
-    in `exclude` (the parameters)."""
-    storages: dict[int, int] = {}
-    ds_storages: set[int] = set()
-
-    def keep(t: torch.Tensor, ds: bool = False) -> torch.Tensor:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        if ds:
-            ds_storages.add(storage.data_ptr())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        out = forward()
-    todo, visited = [out.grad_fn], set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        for t in getattr(node, "deepspeed_saved_tensors", None) or ():
-            if isinstance(t, torch.Tensor):
-                keep(t, ds=True)
-                if isinstance(getattr(t, "saved_data", None), torch.Tensor):
-                    keep(t.saved_data, ds=True)
-        todo += [n for n, _ in node.next_functions]
-    storages.pop(0, None)  # empty storages (DeepSpeed's emptied inputs) have no address
-    for ptr in exclude:
-        storages.pop(ptr, None)
-    total = sum(storages.values())
-    return total, sum(storages[p] for p in ds_storages if p in storages)
-
-
 def _activation_checkpointing(state, rank: int, size: int) -> dict:
     """DeepSpeed's checkpointing over the tensor-parallel group, dropout on: gradients bit-identical to no
     checkpointing with and without partitioned activations, and the bytes each rank keeps for the block stack."""
@@ -249,7 +228,7 @@ def _activation_checkpointing(state, rank: int, size: int) -> dict:
     for label, json_name in [("unpartitioned", "activation_checkpointing"), ("partitioned", "activation_partitioned")]:
         with open(os.path.join(REPO, "ds_configs", f"{json_name}.json"), encoding="utf-8") as fh:
             block = json.load(fh)
-        ds_config = engine.build_ds_config(RootConfig(), block, dp_size=1, on_gpu=False)
+        ds_config = final_ds_config(block)
         fn = engine.activation_checkpoint_function(ds_config, mpu=state)
         _, model = _pair(state, ModelConfig(**(vars(cfg) | {"checkpointing": "full"})))
         model.set_checkpoint_function(fn)
@@ -261,7 +240,7 @@ def _activation_checkpointing(state, rank: int, size: int) -> dict:
         x = torch.randn(B, T, cfg.d_model, generator=torch.Generator().manual_seed(4), requires_grad=True)
         torch.manual_seed(3)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        total, ds_bytes = _saved_bytes(lambda m=model, x=x: m._run_blocks(x), params)
+        total, ds_bytes = saved_storage_bytes(lambda m=model, x=x: m._run_blocks(x), params)
         out[f"checkpointing/{label}"] = {
             "grad_max_diff": worst,
             "grad_bit_identical": exact,
@@ -273,7 +252,7 @@ def _activation_checkpointing(state, rank: int, size: int) -> dict:
     # Without checkpointing, for scale: what the same block stack saves when nothing is recomputed.
     x = torch.randn(B, T, cfg.d_model, generator=torch.Generator().manual_seed(4), requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in reference.parameters()}
-    total, _ = _saved_bytes(lambda: reference._run_blocks(x), params)
+    total, _ = saved_storage_bytes(lambda: reference._run_blocks(x), params)
     out["checkpointing/none"] = {"saved_bytes": total}
     return out
 
@@ -289,7 +268,7 @@ def _engine_grads(state, rank: int, size: int) -> dict:
         dense, sharded = _pair(state, _model_cfg())
         dense(**_batch())[0].backward()
         dense_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in dense.parameters()])))
-        ds_config = engine.build_ds_config(RootConfig(), {"zero_optimization": {"stage": stage}}, 1, on_gpu=False)
+        ds_config = final_ds_config({"zero_optimization": {"stage": stage}})
         ds_config["train_micro_batch_size_per_gpu"], ds_config["train_batch_size"] = B, B
         eng = engine.initialize(sharded, sharded.param_groups(0.1), ds_config, mpu=state)
         loss, _, _ = eng(**_batch())
@@ -318,7 +297,7 @@ def _engine_grads(state, rank: int, size: int) -> dict:
 
 def tensor_parallel_equivalence(run_dir: str) -> None:
     rank, _, world = engine.init_distributed()
-    state = ParallelState.build(rank, world, tp=world)
+    state = ParallelState.build(rank, ParallelLayout(world, tensor=world))
     group, tp_rank, size = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_rank(), world
     torch.set_num_threads(1)
     results = {"layers": _layers(group, tp_rank, size)}

@@ -1,6 +1,6 @@
 """Sequence-parallel attention checks run inside a 2-rank process group (a test worker, not a test).
 
-tests/ds_scenarios.py calls `attention_equivalence(run_dir)` as one of its scenarios, so it shares the
+support/worker.py calls `attention_equivalence(run_dir)` as one of its scenarios, so it shares the
 launch with the sequence-parallel pretraining scenarios of tests/test_sequence_parallel.py. Every rank
 builds the same full-sequence reference locally, then the same computation split over the 2 ranks with
 DeepSpeed's DistributedAttention (engine.sequence_parallel_attention), and writes the largest differences it
@@ -17,6 +17,7 @@ import torch
 from megagenome.config import ModelConfig
 from megagenome.model import DNATransformer
 from megagenome.model.attention import attention
+from megagenome.parallel.layout import ParallelLayout
 from megagenome.parallel.sequence import shard_batch
 from megagenome.parallel.state import ParallelState
 from megagenome.train import engine
@@ -116,7 +117,7 @@ def _controls(sp_attention, rank: int, sp: int) -> dict:
 
 def attention_equivalence(run_dir: str) -> None:
     rank, _, world = engine.init_distributed()
-    state = ParallelState.build(rank, world, sp=world)
+    state = ParallelState.build(rank, ParallelLayout(world, sequence=world))
     group = state.get_sequence_parallel_group()
     sp_attention = engine.sequence_parallel_attention(group)
     results = {}

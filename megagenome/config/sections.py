@@ -1,11 +1,11 @@
-"""Run configuration: one dataclass per concern, composed into RootConfig (layer L0).
+"""The run configuration's sections: one dataclass per concern, composed into RootConfig (layer L0).
 
-Only the standard library is imported here, so `megagenome --help` and config validation run
-before torch or deepspeed are loaded. The docstring under each field is the `--help` text
-(jsonargparse reads attribute docstrings).
+Only the standard library is imported here, so `megagenome --help` and config validation run before torch or
+deepspeed are loaded. The docstring under each field is its `--help` text (jsonargparse reads attribute
+docstrings; config/load.py builds the parsers).
 
-Ownership rule (see DESIGN.md): batch sizes, learning rate, schedule and clipping live here; engine
-knobs (ZeRO stage, precision, buckets) live in the DeepSpeed JSON named by `train.ds_config`.
+Ownership rule (docs/architecture.md, "Config"): batch sizes, learning rate, schedule and clipping live here;
+engine knobs (ZeRO stage, precision, buckets) live in the DeepSpeed JSON named by `train.ds_config`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import re
-import signal
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -149,45 +148,6 @@ class ManifestConfig:
     """The genomes, each a SourceConfig."""
     max_n_run: int = 50
     """Runs of N longer than this are cut out of every split (as --data.max_n_run for FASTA training)."""
-
-
-_SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def validate_manifest(m: ManifestConfig) -> list[str]:
-    """Problems of a manifest, each naming the source and key."""
-    problems = []
-    if not m.sources:
-        problems.append("sources: the manifest lists no source")
-    if m.max_n_run < 0:
-        problems.append(f"max_n_run={m.max_n_run}: must be >= 0")
-    seen: set[str] = set()
-    for i, src in enumerate(m.sources):
-        where = f"sources[{i}]" + (f" ({src.name})" if src.name else "")
-        if not _SOURCE_NAME.match(src.name):
-            problems.append(f"{where}.name={src.name!r}: give a name of letters, digits, '.', '_' or '-'")
-        elif re.search(r"\.hap\d+$", src.name):
-            problems.append(f"{where}.name={src.name!r}: names ending in .hapN are kept for a VCF's haplotype shards")
-        elif src.name in seen:
-            problems.append(f"{where}.name: {src.name!r} is used by two sources")
-        seen.add(src.name)
-        if not src.fasta:
-            problems.append(f"{where}.fasta: required")
-        if src.weight is not None and not src.weight > 0:
-            problems.append(f"{where}.weight={src.weight}: must be positive")
-        if src.flank < 0:
-            problems.append(f"{where}.flank={src.flank}: must be >= 0")
-        if src.flank and not src.bed:
-            problems.append(f"{where}.flank={src.flank} needs a bed file of intervals to flank")
-        if src.sample is not None and not src.vcf:
-            problems.append(f"{where}.sample={src.sample!r} needs a vcf")
-        for key in ("val_ranges", "test_ranges"):
-            for text in getattr(src, key):
-                try:
-                    parse_region(text)
-                except ValueError as e:
-                    problems.append(f"{where}.{key}: {e}")
-    return problems
 
 
 @dataclass
@@ -325,15 +285,6 @@ class RootConfig:
     """Run directory and console output."""
 
 
-class ConfigError(ValueError):
-    """One or more configuration problems, each naming the flag (and file, line where known)."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} configuration problem(s):\n{lines}")
-
-
 @dataclass(frozen=True)
 class Region:
     """A half-open, 0-based interval on one contig."""
@@ -354,162 +305,12 @@ def parse_region(text: str) -> Region:
     return Region(m["contig"], start - 1, end)
 
 
-def scaled_lr(train: TrainConfig, global_batch: int) -> tuple[float, float]:
-    """(lr, min_lr) after the --train.lr_scaling rule for this global batch."""
-    if train.lr_scaling == "none" or not train.reference_batch:
-        return train.lr, train.min_lr
-    ratio = global_batch / train.reference_batch
-    factor = ratio if train.lr_scaling == "linear" else ratio**0.5
-    return train.lr * factor, train.min_lr * factor
-
-
-def ds_config_files(train: TrainConfig) -> list[str]:
-    """--train.ds_config as a list of files, in merge order."""
-    return [train.ds_config] if isinstance(train.ds_config, str) else list(train.ds_config)
-
-
-def batch_sizes(train: TrainConfig, dp_size: int) -> tuple[int, int, int]:
-    """(micro, accumulation, global): the one place where the batch identity is computed."""
-    return train.micro_batch_size, train.grad_accum_steps, train.micro_batch_size * train.grad_accum_steps * dp_size
-
-
 def d_ff(model: ModelConfig) -> int:
     """Hidden width of the SwiGLU MLP (the LLaMA rule: 2/3 of 4*d, rounded up to 64)."""
     if model.d_ff is not None:
         return model.d_ff
     hidden = int(8 * model.d_model / 3)
     return 64 * ((hidden + 63) // 64)
-
-
-def validate(cfg: RootConfig, dp_size: int) -> list[str]:
-    """Every static problem with the config, as messages naming the flag. Empty when valid."""
-    m, d, t, c = cfg.model, cfg.data, cfg.train, cfg.checkpoint
-    problems: list[str] = []
-
-    def positive(flag: str, value) -> None:
-        if value is None or value <= 0:
-            problems.append(f"--{flag}={value}: must be positive")
-
-    for flag, value in [
-        ("model.d_model", m.d_model),
-        ("model.n_layer", m.n_layer),
-        ("model.n_head", m.n_head),
-        ("model.max_seq_len", m.max_seq_len),
-        ("data.seq_len", d.seq_len),
-        ("data.eval_windows", d.eval_windows),
-        ("train.micro_batch_size", t.micro_batch_size),
-        ("train.grad_accum_steps", t.grad_accum_steps),
-        ("train.max_steps", t.max_steps),
-        ("train.lr", t.lr),
-        ("train.log_interval", t.log_interval),
-        ("checkpoint.keep_last", c.keep_last),
-    ]:
-        positive(flag, value)
-    if m.d_model > 0 and m.n_head > 0:
-        if m.d_model % m.n_head:
-            problems.append(f"--model.d_model={m.d_model} is not divisible by --model.n_head={m.n_head}")
-        elif (m.d_model // m.n_head) % 2:
-            problems.append(
-                f"head size --model.d_model/--model.n_head={m.d_model // m.n_head} must be even for rotary embeddings"
-            )
-    if m.checkpointing == "every_k" and not 0 < m.checkpoint_every <= max(m.n_layer, 1):
-        problems.append(
-            f"--model.checkpoint_every={m.checkpoint_every}: must be within [1, --model.n_layer={m.n_layer}]"
-        )
-    if m.d_ff is not None and m.d_ff <= 0:
-        problems.append(f"--model.d_ff={m.d_ff}: must be positive")
-    if d.seq_len > m.max_seq_len:
-        problems.append(f"--data.seq_len={d.seq_len} is above the model's maximum --model.max_seq_len={m.max_seq_len}")
-    for flag, value in [
-        ("model.dropout", m.dropout),
-        ("data.rc_prob", d.rc_prob),
-        ("data.mlm_probability", d.mlm_probability),
-    ]:
-        if not 0.0 <= value <= 1.0:
-            problems.append(f"--{flag}={value}: must be within [0, 1]")
-    if m.objective == "mlm" and not 0.0 < d.mlm_probability <= 1.0:
-        problems.append(f"--data.mlm_probability={d.mlm_probability}: the mlm objective needs a positive masking rate")
-    for flag, value in [
-        ("data.softmask_weight", d.softmask_weight),
-        ("data.eval_softmask_weight", d.eval_softmask_weight),
-    ]:
-        if value < 0:
-            problems.append(f"--{flag}={value}: must be non-negative")
-    if d.max_n_run < 0:
-        problems.append(f"--data.max_n_run={d.max_n_run}: must be non-negative")
-    if bool(d.fasta) == bool(d.prepared):
-        problems.append(
-            "give exactly one of --data.fasta (a FASTA file to train on) and --data.prepared (a directory written "
-            "by `megagenome prepare`)"
-        )
-    if d.blend_period is not None and d.blend_period < 1:
-        problems.append(f"--data.blend_period={d.blend_period}: must be positive")
-    if d.group_aware and not d.prepared:
-        problems.append("--data.group_aware needs --data.prepared: groups are defined by a prepare manifest")
-    for flag, ranges in [("data.val_ranges", d.val_ranges), ("data.test_ranges", d.test_ranges)]:
-        for r in ranges:
-            try:
-                parse_region(r)
-            except ValueError as e:
-                problems.append(f"--{flag}: {e}")
-    split_flags = [f for f in ("val_contigs", "val_ranges", "test_contigs", "test_ranges") if getattr(d, f)]
-    if d.prepared and split_flags:
-        problems.append(
-            f"--data.{split_flags[0]} does not apply with --data.prepared: the held-out split of prepared data is "
-            "set per source in the prepare manifest"
-        )
-    if d.fasta and not (d.val_contigs or d.val_ranges):
-        problems.append("--data.val_contigs or --data.val_ranges must name the held-out data used for evaluation")
-    if t.min_lr < 0 or t.min_lr > t.lr:
-        problems.append(f"--train.min_lr={t.min_lr}: must be within [0, --train.lr={t.lr}]")
-    if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
-        problems.append(f"--train.warmup_steps={t.warmup_steps}: must be within [0, --train.max_steps={t.max_steps}]")
-    if t.lr_scaling != "none" and (t.reference_batch is None or t.reference_batch <= 0):
-        problems.append(f"--train.lr_scaling={t.lr_scaling} needs a positive --train.reference_batch")
-    if not t.ds_config:
-        problems.append("--train.ds_config must name at least one DeepSpeed JSON file")
-    if t.grad_clip < 0:
-        problems.append(f"--train.grad_clip={t.grad_clip}: must be non-negative (0 disables clipping)")
-    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
-        problems.append(f"--train.beta1={t.beta1} and --train.beta2={t.beta2} must be within [0, 1)")
-    if t.eval_interval < 0 or c.interval < 0:
-        problems.append("--train.eval_interval and --checkpoint.interval must be non-negative (0: only at the end)")
-    if t.stop_at is not None and not 0 < t.stop_at <= t.max_steps:
-        problems.append(f"--train.stop_at={t.stop_at}: must be within [1, --train.max_steps={t.max_steps}]")
-    try:
-        signal_number(c.signal)
-    except ValueError as e:
-        problems.append(f"--checkpoint.signal={c.signal}: {e}")
-    if t.hang_timeout_s < 0:
-        problems.append(f"--train.hang_timeout_s={t.hang_timeout_s:g}: must be >= 0 (0 disables the watchdog)")
-    if t.num_threads is not None and t.num_threads <= 0:
-        problems.append(f"--train.num_threads={t.num_threads}: must be positive")
-    if cfg.log.peak_tflops is not None and not cfg.log.peak_tflops > 0:
-        problems.append(f"--log.peak_tflops={cfg.log.peak_tflops:g}: must be positive (TFLOP/s of one device)")
-    micro, accum, global_batch = batch_sizes(t, dp_size)
-    if (
-        t.global_batch_size is not None
-        and t.micro_batch_size > 0
-        and t.grad_accum_steps > 0
-        and t.global_batch_size != global_batch
-    ):
-        problems.append(
-            f"--train.global_batch_size={t.global_batch_size} is not --train.micro_batch_size={micro} x "
-            f"--train.grad_accum_steps={accum} x data-parallel size {dp_size} = {global_batch}"
-        )
-    return problems
-
-
-def signal_number(name: str | None) -> int | None:
-    """The number of the signal named `name` (SIGUSR1, usr1, ...), None for none. ValueError if not catchable."""
-    if name is None or name.strip().lower() in ("", "none"):
-        return None
-    key = name.strip().upper()
-    key = key if key.startswith("SIG") else "SIG" + key
-    uncatchable = {"SIGKILL", "SIGSTOP"}
-    if key in uncatchable or key not in signal.Signals.__members__:
-        raise ValueError("not a signal a process can catch: give a name such as SIGUSR1, SIGUSR2 or SIGTERM, or none")
-    return int(signal.Signals[key])
 
 
 def to_dict(cfg) -> dict:
@@ -523,25 +324,3 @@ def config_hash(cfg: RootConfig) -> str:
     # The parallel layout is deliberately left out: a checkpoint converted to the universal format may be
     # loaded under another layout.
     return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def yaml_line(path: str, dotted_key: str) -> int | None:
-    """1-based line of `dotted_key` in a block-style YAML file, or None; used to point errors at a line."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.readlines()
-    except OSError:
-        return None
-    stack: list[tuple[int, str]] = []
-    for number, line in enumerate(lines, start=1):
-        stripped = line.split("#", 1)[0].rstrip()
-        m = re.match(r"^(\s*)([A-Za-z_][\w-]*)\s*:", stripped)
-        if not m:
-            continue
-        indent = len(m.group(1))
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        stack.append((indent, m.group(2)))
-        if ".".join(k for _, k in stack) == dotted_key:
-            return number
-    return None

@@ -1,6 +1,6 @@
 """A 2-rank `megagenome pretrain` in which one rank hangs (a test worker, not a test; tests/test_watchdog.py).
 
-    deepspeed --num_gpus 2 tests/hang_worker.py --config run.yaml --hang_rank 1 --hang_step 3
+    deepspeed --num_gpus 2 tests/support/hang_worker.py --config run.yaml --hang_rank 1 --hang_step 3
 
 Rank --hang_rank sleeps forever at the start of step --hang_step (0-based step index), as a rank stuck in I/O
 or a dead device would; the other rank then blocks in the step's gradient all-reduce. The run's hang watchdog
@@ -13,7 +13,8 @@ import argparse
 import os
 import time
 
-from megagenome import cli, pretrain
+from megagenome import pretrain
+from megagenome.config.load import load_config
 
 
 def stuck_forever() -> None:
@@ -29,9 +30,9 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=None)  # appended by the deepspeed launcher
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    original = pretrain.forward_backward_step
+    original = pretrain.train_step
 
-    def forward_backward_step(*a, **k):
+    def train_step(*a, **k):
         step_fn = original(*a, **k)
 
         def step(index: int):
@@ -41,10 +42,8 @@ def main() -> None:
 
         return step
 
-    pretrain.forward_backward_step = forward_backward_step
-    parser = cli.pretrain_parser()
-    cfg = cli.root_config(parser.instantiate(parser.parse_args(["--config", args.config])))
-    pretrain.run(cfg, [args.config])
+    pretrain.train_step = train_step  # the run's step function, as pretrain._fit looks it up
+    pretrain.run(load_config(args.config), [args.config])
 
 
 if __name__ == "__main__":

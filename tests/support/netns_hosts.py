@@ -28,7 +28,7 @@ Layout (root namespace on the left; names carry this process's pid, so concurren
   that holds it, which takes sshd and everything under it), anything still in the network namespaces, the
   namespaces (which takes their veth pairs with them), the bridge, the temp dir.
 
-`python tests/netns_hosts.py probe OUT_DIR` (a `deepspeed` user script) writes OUT_DIR/rank<RANK>.json with
+`python tests/support/netns_hosts.py probe OUT_DIR` (a `deepspeed` user script) writes OUT_DIR/rank<RANK>.json with
 what a rank sees of its host: hostname, network namespace, IPv4 addresses, launcher variables.
 """
 

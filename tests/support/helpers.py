@@ -1,4 +1,5 @@
-"""Shared helpers for the tests that run megagenome as a user would: the CLI and the deepspeed launcher."""
+"""Shared helpers for the tests that run megagenome as a user would: the CLI and the deepspeed launcher, small run
+configs, a world of one in this process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 import yaml
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
 PYTHON = sys.executable
 BIN = pathlib.Path(PYTHON).parent
@@ -34,8 +35,9 @@ def free_port() -> int:
 
 
 def env() -> dict:
+    """This environment, with the checkout and tests/ (for `support`) importable and the venv's scripts first."""
     e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), e.get("PYTHONPATH", "")])
     e["PATH"] = str(BIN) + os.pathsep + e.get("PATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
     return e
@@ -132,3 +134,23 @@ def world_of_one():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def final_ds_config(fragment: dict, train=None) -> dict:
+    """The dict pretrain would give deepspeed.initialize for a DeepSpeed JSON `fragment`, one rank, the default
+    run config's batch, optimizer and schedule (or `train`'s): train/ds_config.py build_ds_config."""
+    from megagenome.config import TrainConfig
+    from megagenome.parallel.layout import ParallelLayout
+    from megagenome.train.ds_config import build_ds_config
+
+    train = train or TrainConfig()
+    return build_ds_config(fragment, ParallelLayout(1).batch(train), train, universal=False, on_gpu=False)
+
+
+def run_config(argv: list[str]):
+    """(RootConfig, YAML files) of `megagenome pretrain`-style arguments, through the config layer's parser."""
+    from megagenome.config.load import config_files, root_config, run_config_parser
+
+    parser = run_config_parser()
+    ns = parser.parse_args(list(argv))
+    return root_config(parser.instantiate(ns)), config_files(ns)

@@ -4,13 +4,14 @@ Each `deepspeed` launch costs ~10 s of start-up on CPU, so the equivalence tests
 per world size and it runs every scenario of a spec file in turn, through the same `pretrain.run` as the
 CLI, keeping the process group up between scenarios and tearing it down once at the end:
 
-    deepspeed --num_gpus 2 tests/ds_scenarios.py --spec spec.json   # 2 ranks
-    python tests/ds_scenarios.py --spec spec.json                    # 1 rank, no launcher
+    deepspeed --num_gpus 2 tests/support/worker.py --spec spec.json   # 2 ranks
+    python tests/support/worker.py --spec spec.json                    # 1 rank, no launcher
 
 spec.json: {"scenarios": [{"name": ..., "config": {root config as nested dicts}}, ...]}. Configs are
-parsed by the CLI's own parser, so they are type-checked like a YAML file given with --config. A scenario
-may instead be {"name": ..., "check": "module:function", "run_dir": ...}: function(run_dir) from a module in
-tests/ runs in the same process group (checks of parallel layers that need real collectives). A
+parsed by the config layer's parser (config/load.py), so they are type-checked like a YAML file given with
+--config. A scenario may instead be {"name": ..., "check": "module:function", "run_dir": ..., "args": {...}}:
+function(run_dir, **args) from a module importable from tests/ (e.g. support.tp_checks) runs in the same process
+group (checks that need real collectives). A
 scenario that raises writes the traceback to <run_dir>/error.txt and the worker goes on with the next
 (a failure before the process group is touched, such as a config error, is symmetric across ranks).
 Rank 0 appends one line per scenario to the spec's "log" file: name, seconds, error or null.
@@ -27,13 +28,9 @@ import sys
 import time
 import traceback
 
-from megagenome import cli, pretrain
-from megagenome.config import RootConfig
+from megagenome import pretrain
+from megagenome.config.load import config_from_dict
 from megagenome.train import engine
-
-
-def root_config(parser, config: dict) -> RootConfig:
-    return cli.root_config(parser.instantiate(parser.parse_object(config)))
 
 
 def main() -> int:
@@ -43,16 +40,16 @@ def main() -> int:
     args = ap.parse_args()
     with open(args.spec, encoding="utf-8") as fh:
         spec = json.load(fh)
-    parser = cli.pretrain_parser()
     rank = int(os.environ.get("RANK", "0"))
     failures = 0
     for scenario in spec["scenarios"]:
         if "check" in scenario:
             module, function = scenario["check"].split(":")
             run_dir = scenario["run_dir"]
-            work = functools.partial(getattr(importlib.import_module(module), function), run_dir)
+            check = getattr(importlib.import_module(module), function)
+            work = functools.partial(check, run_dir, **scenario.get("args", {}))
         else:
-            cfg = root_config(parser, scenario["config"])
+            cfg = config_from_dict(scenario["config"])
             run_dir = cfg.log.run_dir
             work = functools.partial(pretrain.run, cfg, [], keep_process_group=True)
         started = time.time()

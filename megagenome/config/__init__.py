@@ -1,0 +1,49 @@
+"""The run configuration (layer L0): what a run is, checked before anything starts.
+
+- sections.py  one dataclass per concern (model, data, train, parallel, checkpoint, log) composed into RootConfig,
+               and the data manifest's SourceConfig / ManifestConfig; standard library only
+- checks.py    static validation of a config or a manifest: every problem at once, each naming its flag
+- load.py      YAML files + command-line flags -> RootConfig through jsonargparse (imported on demand: it is the
+               one module here with a third-party import)
+
+The names most code needs are importable from `megagenome.config` itself.
+"""
+
+from megagenome.config.checks import ConfigError, signal_number, validate, validate_manifest
+from megagenome.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    LogConfig,
+    ManifestConfig,
+    ModelConfig,
+    ParallelConfig,
+    Region,
+    RootConfig,
+    SourceConfig,
+    TrainConfig,
+    config_hash,
+    d_ff,
+    parse_region,
+    to_dict,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "LogConfig",
+    "ManifestConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "Region",
+    "RootConfig",
+    "SourceConfig",
+    "TrainConfig",
+    "config_hash",
+    "d_ff",
+    "parse_region",
+    "signal_number",
+    "to_dict",
+    "validate",
+    "validate_manifest",
+]
