@@ -27,8 +27,11 @@ bf16 gradients, the only bf16 mode DeepSpeed allows there; stages 1-3 use the sh
 accumulation).
 
     python benchmarks/memory_sweep.py [--grid reduced|full] [--rounds 2] [--nproc 2]
+    python benchmarks/memory_sweep.py --render
 
-Writes benchmarks/results/memory_sweep.{csv,md,png} (PNG needs matplotlib: pip install -e '.[bench]').
+Writes benchmarks/results/memory_sweep.{csv,json,md,png} (PNG needs matplotlib: pip install -e '.[bench]'): the CSV
+holds every row, the JSON the run's description (date, command, machine, load, wall time, exit codes, parameter
+count), and the Markdown is rendered from those two alone, so --render rewrites it from them without a sweep.
 """
 
 from __future__ import annotations
@@ -296,12 +299,15 @@ def gib(values) -> str:
     return "/".join(f"{v / 2**30:.2f}" for v in values) if values else ""
 
 
+CSV_FIELDS = ["engine", "policy", "micro", "grad_accum_dtype", "model_state_gib_per_rank", "model_state_psi_per_rank"]
+CSV_FIELDS += ["formula_psi"]
+CSV_FIELDS += ["buffers_gib_per_rank", "peak_rss_gib_per_rank", "cpu_s_median", "cpu_ratio_vs_zero0_none"]
+CSV_FIELDS += ["wall_s_median", "wall_ratio_vs_zero0_none", "cpu_s", "wall_s", "error"]
+
+
 def write_results(rows: list[dict], meta: dict) -> None:
+    """memory_sweep.csv (the rows) and memory_sweep.json (meta), then the Markdown from those two and the PNG."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    fields = ["engine", "policy", "micro", "grad_accum_dtype", "model_state_gib_per_rank", "model_state_psi_per_rank"]
-    fields += ["formula_psi"]
-    fields += ["buffers_gib_per_rank", "peak_rss_gib_per_rank", "cpu_s_median", "cpu_ratio_vs_zero0_none"]
-    fields += ["wall_s_median", "wall_ratio_vs_zero0_none", "cpu_s", "wall_s", "error"]
     table = []
     for r in rows:
         table.append(
@@ -325,10 +331,21 @@ def write_results(rows: list[dict], meta: dict) -> None:
             }
         )
     with open(RESULTS / "memory_sweep.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields)
+        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
         w.writeheader()
         w.writerows(table)
     psi = next((r["parameters"] for r in rows if r.get("parameters")), None)
+    (RESULTS / "memory_sweep.json").write_text(json.dumps({**meta, "parameters": psi}, indent=1) + "\n")
+    render()
+    plot(rows)
+
+
+def render() -> None:
+    """memory_sweep.md from memory_sweep.csv and memory_sweep.json, nothing else."""
+    meta = json.loads((RESULTS / "memory_sweep.json").read_text())
+    with open(RESULTS / "memory_sweep.csv", newline="") as fh:
+        table = list(csv.DictReader(fh))
+    psi = meta["parameters"]
     lines = [
         "# Memory sweep: ZeRO stage x offload x activation checkpointing x micro batch",
         "",
@@ -341,14 +358,16 @@ def write_results(rows: list[dict], meta: dict) -> None:
         if psi
         else "- model: see benchmarks/memory_sweep.py",
         f"- grid: {meta['grid']}; {meta['rounds']} timed steps per cell after one warm-up step per engine, "
-        f"interleaved; one launch per engine configuration; sweep wall time {meta['wall_s'] / 60:.1f} min; "
+        f"interleaved; one launch per engine configuration; sweep wall time {meta['wall_min']:.1f} min; "
         f"exit codes: {meta['rc']}",
+        "- files: memory_sweep.csv (every row, with the per-step times), memory_sweep.json (the values above); "
+        "`python benchmarks/memory_sweep.py --render` writes this file again from those two",
         "",
         "Columns: model states per rank (rank 0/rank 1) counted from the engine's tensors (params, grads, "
         "fp32 master params, Adam states) at step 2 between backward and the optimizer step, in GiB and in "
-        "bytes per parameter (Ψ); the DESIGN.md ZeRO formula for bf16 Adam (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N); "
-        "other optimizer buffers (reduction buckets, not model states); peak RSS per rank over the cell's steps "
-        "(ru_maxrss reset before every step, MALLOC_MMAP_THRESHOLD_=65536); median step time and its ratio to "
+        "bytes per parameter (Ψ); the docs/architecture.md ZeRO formula for bf16 Adam (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, "
+        "16Ψ/N); other optimizer buffers (reduction buckets, not model states); peak RSS per rank over the cell's "
+        "steps (ru_maxrss reset before every step, MALLOC_MMAP_THRESHOLD_=65536); median step time and its ratio to "
         "ZeRO-0 without checkpointing at the same micro batch (ZeRO-0 measured first and last in the sweep; all "
         "its steps enter the baseline median), as CPU time (process time of the slower rank: forward, backward, "
         "gradient reduction and optimizer all run on the CPU here, and CPU time does not count time the process "
@@ -368,9 +387,7 @@ def write_results(rows: list[dict], meta: dict) -> None:
             f"{t['wall_s_median']} | {t['wall_ratio_vs_zero0_none']} | "
             f"{t['error'][:200]} |"
         )
-    lines += ["", *meta.get("notes", [])]
     (RESULTS / "memory_sweep.md").write_text("\n".join(lines) + "\n")
-    plot(rows)
 
 
 def plot(rows: list[dict]) -> None:
@@ -415,12 +432,19 @@ def main() -> None:
     ap.add_argument("--grid", choices=["reduced", "full"], default="reduced", help="cells to run (see grid())")
     ap.add_argument("--rounds", type=int, default=2, help="timed steps per cell, interleaved across cells")
     ap.add_argument("--nproc", type=int, default=2, help="CPU ranks")
+    ap.add_argument(
+        "--render", action="store_true", help="no sweep: write memory_sweep.md again from memory_sweep.{csv,json}"
+    )
     ap.add_argument("--worker", type=pathlib.Path, help=argparse.SUPPRESS)  # the launched ranks
     ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # appended by the deepspeed launcher
     args = ap.parse_args()
     if args.worker:
         plan = [(run, [tuple(c) for c in cells]) for run, cells in json.loads((args.worker / "plan.json").read_text())]
         worker(args.worker, plan, args.rounds)
+        return
+    if args.render:
+        render()
+        print(f"wrote {RESULTS}/memory_sweep.md from memory_sweep.csv and memory_sweep.json")
         return
     plan = grid(args.grid)
     work = pathlib.Path(tempfile.mkdtemp(prefix="mg-memory-sweep-"))
@@ -445,7 +469,7 @@ def main() -> None:
         "nproc": args.nproc,
         "grid": args.grid,
         "rounds": args.rounds,
-        "wall_s": wall,
+        "wall_min": round(wall / 60, 1),
         "rc": ", ".join(f"{name} {rc}" for name, (rc, _) in ended.items()),
         "load": "1-minute load average before->after each launch (the 2 ranks alone make 2): " + ", ".join(loads),
     }
