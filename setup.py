@@ -25,16 +25,22 @@ setup(
         "jsonargparse[signatures]==4.53.0",
         "PyYAML==6.0.4",
         "tqdm==4.70.1",
-        "pysam==0.24.1",  # VCF reading (htslib): individual genomes from a reference + VCF, data/variants.py
+        "pysam==0.24.1",  # VCF reading and writing (htslib): data/variants.py, data/vcf_scores.py
+        "safetensors==0.8.0",  # `megagenome export`: model.safetensors, the format Hugging Face loads
+        "tensorboard==2.21.0",  # event files beside metrics.jsonl (torch.utils.tensorboard writes through it)
+        "matplotlib==3.10.9",  # `megagenome report` draws its PNGs
+        "torchao==0.18.0",  # `megagenome export --quantize int8`: PyTorch's maintained quantization (quantize.py)
     ],
     extras_require={
         # flash-attn compiles against the local CUDA toolkit; install it on GPU machines only.
         "gpu": ["flash-attn==2.8.3.post2"],
-        "dev": ["pytest==9.2.0", "ruff==0.17.6"],
-        # benchmarks/memory_sweep.py and benchmarks/sweep.py draw their PNGs with matplotlib; nothing else imports it.
-        # transformers and accelerate are the Hugging Face Trainer peer of benchmarks/peers.py only: the package
-        # never imports them.
-        "bench": ["matplotlib==3.10.9", "transformers==5.24.0", "accelerate==1.15.0"],
+        # transformers: the export test loads the exported directory with AutoModelForCausalLM/AutoTokenizer.
+        "dev": ["pytest==9.2.0", "ruff==0.17.6", "transformers==5.24.0"],
+        # Weights & Biases logging (--log.wandb); optional, imported only when asked for.
+        "wandb": ["wandb==0.31.0"],
+        # transformers and accelerate are the Hugging Face Trainer peer of benchmarks/peers.py; the package imports
+        # transformers only to check an export (megagenome/export.py, lazily).
+        "bench": ["transformers==5.24.0", "accelerate==1.15.0"],
     },
     entry_points={"console_scripts": ["megagenome=megagenome.cli:main"]},
 )

@@ -21,6 +21,7 @@ from typing import Literal
 
 from jsonargparse import ArgumentParser
 
+from megagenome import cli_after
 from megagenome.config import ConfigError, RootConfig
 from megagenome.config.load import add_run_config, config_files, load_manifest, root_config, run_config_parser
 
@@ -256,6 +257,7 @@ def build_parser() -> ArgumentParser:
     sub.add_subcommand(
         "deepspeed-env", deepspeed_env_parser(), help="Write .deepspeed_env for DeepSpeed's multi-node launchers."
     )
+    cli_after.add_commands(sub)
     return parser
 
 
@@ -319,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         from megagenome.cluster import commands
 
         return commands.deepspeed_env(ns["deepspeed-env"])
+    if ns.command in cli_after.COMMANDS:
+        return cli_after.dispatch(ns.command, ns[ns.command])
     parser.print_help()
     return 2
 

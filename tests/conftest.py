@@ -59,3 +59,18 @@ def slurm_cluster():
 
 
 # ----- end of Slurm cluster block ------------------------------------------------------------------------------
+
+
+# ----- after training (tests/test_evaluate.py, test_variant_scoring.py, test_export.py; support/trained.py) --------
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """Finished tiny runs in every checkpoint layout (dense, ZeRO-3, TP 2, PP 2, mlm), trained in one 2-rank launch,
+    with the after-training checks of support/trained.py AFTER run in the same process group."""
+    from support.trained import train_all
+
+    return train_all(tmp_path_factory.mktemp("trained"))
+
+
+# ----- end of after-training block -------------------------------------------------------------------------------

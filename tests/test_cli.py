@@ -294,3 +294,23 @@ def test_help_states_the_single_process_assumption(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "world of ONE process" in text and "conservative (fits on one rank => fits on more)" in text
     assert "--memory_budget_gb" in text and "--data_parallel" in text
+
+
+# ----- after training: the commands' flags parsed for real (their behaviour: tests/test_evaluate.py, ...) --------
+
+
+def test_eval_command_line(trained, tmp_path, capsys):
+    """`megagenome eval RUN --fasta F --regions R1 R2 --window W --reverse_complement --output J`: flags reach the
+    command; bad values exit 2 naming the flag."""
+    import json
+
+    out = tmp_path / "eval.json"
+    run = str(trained.run_dir("dense"))
+    argv = ["eval", run, "--fasta", trained.fasta, "--regions", "NC_001422.1:1-300", "NC_001422.1:301-700"]
+    assert cli.main([*argv, "--window", "64", "--reverse_complement", "--progress", "false", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["bases"] for r in result["records"]] == [300, 400] and result["run"]["window"] == 64
+    assert result["run"]["reverse_complement"] is True
+    assert "overall" in capsys.readouterr().out
+    assert cli.main([*argv, "--batch_size", "0"]) == 2
+    assert "--batch_size=0" in capsys.readouterr().err

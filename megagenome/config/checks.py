@@ -42,7 +42,22 @@ def validate(cfg: RootConfig) -> list[str]:
         + _train_problems(cfg.train)
         + _checkpoint_problems(cfg.checkpoint, cfg.train)
         + _log_problems(cfg.log)
+        + _distill_problems(cfg)
     )
+
+
+def _distill_problems(cfg: RootConfig) -> list[str]:
+    """Distillation runs the teacher beside a whole student on each rank: no model-parallel student."""
+    if not cfg.train.distill_from:
+        return []
+    p = cfg.parallel
+    if p.tensor * p.pipeline * p.sequence > 1:
+        return [
+            f"--train.distill_from needs a student without model parallelism (--parallel.tensor={p.tensor}, "
+            f"--parallel.pipeline={p.pipeline}, --parallel.sequence={p.sequence}); use ZeRO 0-3 over data-parallel "
+            "ranks instead"
+        ]
+    return []
 
 
 def _positive(pairs: list[tuple[str, object]]) -> list[str]:
@@ -138,6 +153,10 @@ def _train_problems(t: TrainConfig) -> list[str]:
         problems.append(f"--train.hang_timeout_s={t.hang_timeout_s:g}: must be >= 0 (0 disables the watchdog)")
     if t.num_threads is not None and t.num_threads <= 0:
         problems.append(f"--train.num_threads={t.num_threads}: must be positive")
+    if not 0 <= t.distill_alpha <= 1:
+        problems.append(f"--train.distill_alpha={t.distill_alpha:g}: must be within [0, 1]")
+    if not t.distill_temperature > 0:
+        problems.append(f"--train.distill_temperature={t.distill_temperature:g}: must be positive")
     return problems
 
 

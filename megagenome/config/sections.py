@@ -55,6 +55,10 @@ class ModelConfig:
     core, keep cheap ops such as norms and the MLP)."""
     checkpoint_every: int = 2
     """Blocks per recomputed segment with --model.checkpointing every_k."""
+    init_from: str | None = None
+    """Start from the weights of a `megagenome export` directory (model.safetensors) instead of a random
+    initialisation: continued pretraining at another layout, context or data. Its model shape must equal this
+    config's (max_seq_len, dropout and checkpointing may differ)."""
 
 
 @dataclass
@@ -206,6 +210,14 @@ class TrainConfig:
     """Seed of weight initialisation and dropout."""
     num_threads: int | None = None
     """Torch CPU threads per rank; default: CPU cores divided by ranks on this node."""
+    distill_from: str | None = None
+    """Knowledge distillation: a `megagenome export` directory or a run directory (newest complete checkpoint) of a
+    causal teacher; the student trains on (1 - distill_alpha) x its usual loss + distill_alpha x T^2 x KL(teacher ||
+    student) of the next-base distributions at temperature T. The teacher is frozen, replicated on every rank."""
+    distill_alpha: float = 0.5
+    """Weight of the distillation term with --train.distill_from (0: the usual loss only, 1: the teacher's only)."""
+    distill_temperature: float = 2.0
+    """Softmax temperature T of teacher and student in the distillation term."""
     hang_timeout_s: float = 1800.0
     """Hang watchdog: a rank that completes no training step for this many seconds dumps every thread's Python stack
     to stderr and <run dir>/hang_rank<R>.txt and exits with code 86. The clock starts at the first step and stops
@@ -261,6 +273,15 @@ class LogConfig:
     """Run directory: config.yaml, ds_config.json, env.json, metrics.jsonl, checkpoints/."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    tensorboard: bool = True
+    """Write TensorBoard event files of every metrics row (training and eval) into <run dir>/tensorboard."""
+    wandb: bool = False
+    """Log every metrics row to Weights & Biases too (needs `pip install wandb`); offline unless --log.wandb_mode
+    online. The API key is read by wandb from its own login or $WANDB_API_KEY and never written to the run."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """Weights & Biases mode: offline writes <run dir>/wandb for a later `wandb sync`; online streams."""
+    wandb_project: str = "megagenome"
+    """Weights & Biases project name."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device that MFU and HFU divide by. Default: the datasheet bf16 dense peak of a known GPU,
     looked up from its name (metrics.py PEAK_TFLOPS), else a matmul peak measured at start in the run's precision
@@ -320,7 +341,8 @@ def to_dict(cfg) -> dict:
 
 def config_hash(cfg: RootConfig) -> str:
     """SHA-256 of what a checkpoint depends on: model shape and data definition."""
-    payload = json.dumps({"model": to_dict(cfg.model), "data": to_dict(cfg.data)}, sort_keys=True)
+    model = {k: v for k, v in to_dict(cfg.model).items() if k != "init_from"}  # where the run started, not its model
+    payload = json.dumps({"model": model, "data": to_dict(cfg.data)}, sort_keys=True)
     # The parallel layout is deliberately left out: a checkpoint converted to the universal format may be
     # loaded under another layout.
     return hashlib.sha256(payload.encode()).hexdigest()

@@ -143,7 +143,7 @@ class Runs:
         return out
 
 
-def run_worker(root, scenarios: list[dict], world_size: int) -> Runs:
+def run_worker(root, scenarios: list[dict], world_size: int, timeout_s: float = WORKER_TIMEOUT_S) -> Runs:
     """Run every scenario in one process group of world_size ranks; returns the runs however it ended."""
     spec = root / "spec.json"
     log = root / "worker.log"
@@ -158,7 +158,7 @@ def run_worker(root, scenarios: list[dict], world_size: int) -> Runs:
         # A session of its own, so a hung worker is stopped with every rank the launcher started.
         proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=WORKER_TIMEOUT_S)
+            rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
