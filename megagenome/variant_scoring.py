@@ -1,0 +1,449 @@
+"""`megagenome score-variants` (layer L4): zero-shot variant-effect scores of a VCF's ALT alleles by a trained model,
+written back into the VCF (INFO, Number=A) and a TSV, with AUROC against a label for a labelled VCF.
+
+Windows. A variant at 0-based position p gets a REF window of `window` bases starting at p - window // 2 (the
+variant at index window // 2, as in Evo 2's BRCA1 notebook) and an ALT window that shares its left flank: left flank
++ ALT + the bases after REF, up to the same length, so an indel shifts the right flank instead of changing the
+window's length. Near a contig's ends the windows shift (the variant off centre) so that both keep `window` bases;
+where that cannot be (a contig shorter than the window, an insertion at its very end) they keep what context fits.
+Alleles longer than window - window // 2 do not fit and are skipped (`.`), like symbolic ALTs (`<DEL>`, breakends,
+`*`).
+
+Scores (higher: the ALT is more plausible; lower: predicted damaging):
+- causal (clm) models, the Evo 2 method: log-likelihood of the ALT window minus that of the REF window (sums of
+  log p(x_t | x_<t), float64);
+- masked (mlm) models, GPN's masked marginal: the REF window with the REF bases masked, sum over those positions of
+  log p(ALT base) - log p(REF base) (SNVs and other same-length substitutions); an indel falls back to the
+  difference of the two windows' masked pseudo-log-likelihoods (inference.masked_log_probs);
+- --reverse_complement: the mean of the score on both strands (the windows reverse-complemented).
+
+Batches and ranks. ALTs are taken CHUNK at a time; each chunk's distinct windows (a REF window shared by several
+ALTs is scored once) are put in batches of --batch_size in a fixed order (a masked model's batches hold windows of
+one length only: padding would change its attention), the same at any world size; under the `deepspeed` launcher the
+batches are dealt round-robin over ranks and the results gathered, so the scores equal one process's.
+
+AUROC (--label_field, --positive): of -score for ALTs whose label is in --positive against every other labelled ALT
+(unlabelled ones are left out), by the Mann-Whitney rank formula with ties at half; 95% interval from a stratified
+bootstrap (positives and negatives resampled apart, --bootstrap times, numpy default_rng(--seed)), percentiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megagenome.data.fasta import FastaError, Genome
+from megagenome.data.tokenizer import MASK_ID, TokenizerError, encode, reverse_complement
+from megagenome.data.variants import VariantError
+from megagenome.data.vcf_scores import Site, check_refs, labelled_alts, read_sites, write_scored, write_text, write_tsv
+from megagenome.inference import Loaded, World, batched, interleave, load_model, log_probs, pad_batch, start_world
+from megagenome.train.consolidate import CheckpointError
+
+PROG = "megagenome score-variants"
+CHUNK = 4096  # ALT alleles per round of batches: bounds the windows held at once; fixed, so any world size agrees
+OUTPUT_SUFFIXES = (".vcf", ".vcf.gz", ".vcf.bgz", ".bcf")
+
+
+class ScoreError(ValueError):
+    """Bad input to `megagenome score-variants`; the message names the flag or the file and line."""
+
+
+@dataclass
+class Options:
+    """What `megagenome score-variants` is given (its flags, documented in cli_after.py)."""
+
+    run: str
+    fasta: str
+    vcf: str
+    output: str
+    step: int | None = None
+    tsv: str | None = None
+    window: int | None = None
+    reverse_complement: bool = False
+    batch_size: int = 16
+    dtype: str = "fp32"
+    label_field: str | None = None
+    positive: list[str] = field(default_factory=list)
+    bootstrap: int = 1000
+    seed: int = 0
+    info_field: str = "MG_SCORE"
+    summary_json: str | None = None
+    overwrite: bool = False
+    progress: bool = True
+
+
+# ----- windows and what to compute for each ALT -------------------------------------------------------------------
+
+
+def variant_windows(fetch, contig_len: int, pos: int, ref: str, alt: str, window: int) -> tuple[bytes, bytes, int]:
+    """(REF window, ALT window, the variant's index in both) for a variant at 0-based `pos`; `fetch(start, end)` gives
+    the contig's bases. Both windows are `window` long where the contig allows (see the module docstring)."""
+    lr, la = len(ref), len(alt)
+    lo = max(0, pos + max(lr, la) - window)  # both alleles inside
+    hi = min(pos, contig_len - window - max(0, lr - la))  # both windows full length
+    start = min(max(pos - window // 2, lo), hi) if lo <= hi else lo  # else: as much context as fits
+    left = fetch(start, pos)
+    ref_window = fetch(start, min(contig_len, start + window))
+    tail = pos + lr
+    right = fetch(tail, min(contig_len, tail + max(0, window - len(left) - la)))
+    return ref_window, left + alt.upper().encode("ascii") + right, pos - start
+
+
+@dataclass(frozen=True)
+class Query:
+    """One forward computation: "sum" (the window's total log-likelihood: next-base for a causal model, masked
+    pseudo-likelihood for a masked one) or "mask" (log-probabilities of every token at `positions`, masked)."""
+
+    kind: str
+    tokens: np.ndarray  # uint8 token ids
+    positions: tuple[int, ...] = ()
+
+
+class Plan:
+    """The distinct queries of a chunk; `add` returns a query's index, the same one for a repeated query."""
+
+    def __init__(self):
+        self.queries: list[Query] = []
+        self._index: dict[tuple, int] = {}
+
+    def add(self, kind: str, tokens: np.ndarray, positions: tuple[int, ...] = ()) -> int:
+        key = (kind, tokens.tobytes(), positions)
+        if key not in self._index:
+            self._index[key] = len(self.queries)
+            self.queries.append(Query(kind, tokens, positions))
+        return self._index[key]
+
+
+Term = tuple[float, int, int, int]  # (weight, query, row of a "mask" query or -1, token or -1)
+
+
+def method(causal: bool, ref: str, alt: str) -> str:
+    if causal:
+        return "llr"
+    return "masked_marginal" if len(ref) == len(alt) else "pll"
+
+
+def plan_alt(plan: Plan, causal: bool, windows: tuple[bytes, bytes, int], ref: str, alt: str, rc: bool) -> list[Term]:
+    """The terms whose weighted sum is the ALT's score (see the module docstring), their queries added to `plan`;
+    `windows` is variant_windows' result."""
+    ref_window, alt_window, at = windows
+    ref_len = len(ref)
+    ref_tokens, alt_tokens = encode(ref_window)[0], encode(alt_window)[0]
+    strands = [(ref_tokens, alt_tokens, at)]
+    if rc:
+        strands.append((reverse_complement(ref_tokens), reverse_complement(alt_tokens), len(ref_tokens) - at - ref_len))
+    weight = 1.0 / len(strands)
+    marginal = method(causal, ref, alt) == "masked_marginal"
+    terms: list[Term] = []
+    for ref_t, alt_t, start in strands:
+        if not marginal:
+            terms += [(weight, plan.add("sum", alt_t), -1, -1), (-weight, plan.add("sum", ref_t), -1, -1)]
+            continue
+        positions = tuple(range(start, start + ref_len))
+        q = plan.add("mask", ref_t, positions)
+        for row, p in enumerate(positions):
+            terms += [(weight, q, row, int(alt_t[p])), (-weight, q, row, int(ref_t[p]))]
+    return terms
+
+
+def make_batches(queries: list[Query], batch_size: int, causal: bool) -> list[list[int]]:
+    """Query indices in batches, in order of first appearance per group: one group for a causal model (right padding
+    is harmless), one per (kind, length) for a masked one."""
+    groups: dict[tuple, list[int]] = {}
+    for i, q in enumerate(queries):
+        groups.setdefault(("sum",) if causal else (q.kind, len(q.tokens)), []).append(i)
+    return [b for group in groups.values() for b in batched(group, batch_size)]
+
+
+@torch.no_grad()
+def run_batch(loaded: Loaded, queries: list[Query]) -> list:
+    """A float per "sum" query, a (positions, vocab) float64 array per "mask" query (one kind per batch)."""
+    tokens, lengths = pad_batch([torch.from_numpy(q.tokens.astype(np.int64)) for q in queries], loaded.device)
+    if queries[0].kind == "sum":
+        logp = log_probs(loaded, tokens).double()  # (B, T)
+        valid = torch.arange(tokens.size(1), device=tokens.device)[None] < lengths.to(tokens.device)[:, None]
+        return (logp * valid).sum(1).cpu().tolist()
+    masked = tokens.clone()
+    for row, q in enumerate(queries):
+        masked[row, list(q.positions)] = MASK_ID
+    logp = F.log_softmax(loaded.model.logits(masked).float(), dim=-1)  # (B, T, vocab)
+    return [logp[row, list(q.positions)].double().cpu().numpy() for row, q in enumerate(queries)]
+
+
+def compute(loaded: Loaded, queries: list[Query], batches: list[list[int]], world: World, tick) -> list:
+    """Every query's result on every rank: this rank's share of the batches, gathered and put back in order."""
+    mine = []
+    for idx in world.mine(batches):
+        mine.append(run_batch(loaded, [queries[i] for i in idx]))
+        tick(len(mine))
+    ordered = interleave(world.gather(mine))
+    results: list = [None] * len(queries)
+    for idx, values in zip(batches, ordered):
+        for i, value in zip(idx, values):
+            results[i] = value
+    return results
+
+
+def combine(terms: list[Term], results: list) -> float:
+    return float(sum(w * (results[q] if row < 0 else results[q][row, tok]) for w, q, row, tok in terms))
+
+
+# ----- scoring a VCF ------------------------------------------------------------------------------------------------
+
+
+def skip_reason(site: Site, alt: int, window: int) -> str:
+    """Why an ALT is not scored, or ''."""
+    if site.unscorable[alt]:
+        return site.unscorable[alt]
+    longest, limit = max(len(site.ref), len(site.alts[alt])), window - window // 2  # the variant starts at window // 2
+    if longest > limit:
+        return f"an allele of {longest} bp does not fit --window {window} (at most {limit} bp)"
+    return ""
+
+
+def score_sites(loaded: Loaded, genome: Genome, sites: list[Site], window: int, opts: Options, world: World) -> list:
+    """Per record, per ALT: the score, or None for a skipped ALT. Collective under a launcher."""
+    from tqdm import tqdm
+
+    jobs = [(i, a) for i, s in enumerate(sites) for a in range(len(s.alts)) if not skip_reason(s, a, window)]
+    scores: list[list[float | None]] = [[None] * len(s.alts) for s in sites]
+    shown = opts.progress and world.main
+    bar = tqdm(total=len(jobs), unit="variant", desc="score-variants", disable=not shown, file=sys.stderr)
+    for first in range(0, len(jobs), CHUNK):
+        chunk, plan = jobs[first : first + CHUNK], Plan()
+        terms = []
+        for i, a in chunk:
+            s = sites[i]
+            fetch = functools.partial(genome.fetch, s.chrom)
+            windows = variant_windows(fetch, genome.lengths[s.chrom], s.pos, s.ref, s.alts[a], window)
+            terms.append(plan_alt(plan, loaded.causal, windows, s.ref, s.alts[a], opts.reverse_complement))
+        batches = make_batches(plan.queries, opts.batch_size, loaded.causal)
+        tick = functools.partial(_advance, bar, first, len(chunk), len(batches) / world.size)
+        results = compute(loaded, plan.queries, batches, world, tick)
+        for (i, a), t in zip(chunk, terms):
+            scores[i][a] = combine(t, results)
+        bar.update(first + len(chunk) - bar.n)
+    bar.close()
+    return scores
+
+
+def _advance(bar, done: int, n: int, batches_per_rank: float, ran: int) -> None:
+    """Progress within a chunk of n ALTs: this rank's share of batches done stands for every rank's."""
+    bar.update(done + min(n, int(n * ran / batches_per_rank)) - bar.n)
+
+
+# ----- AUROC --------------------------------------------------------------------------------------------------------
+
+
+def auroc(predictor: np.ndarray, positive: np.ndarray) -> float:
+    """Area under the ROC curve of `predictor` for the boolean `positive`: the Mann-Whitney U of the positives' average
+    ranks (ties share their mean rank, so a tie counts one half) over n_positive x n_negative."""
+    predictor, positive = np.asarray(predictor, dtype=np.float64), np.asarray(positive, dtype=bool)
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if not n_pos or not n_neg:
+        raise ValueError(f"AUROC needs positives and negatives, got {n_pos} and {n_neg}")
+    _, inverse, counts = np.unique(predictor, return_inverse=True, return_counts=True)
+    first = np.cumsum(counts) - counts + 1  # 1-based rank of each distinct value's first occurrence
+    ranks = (first + (counts - 1) / 2)[inverse]  # average rank of each item
+    u = ranks[positive].sum() - n_pos * (n_pos + 1) / 2
+    return float(u / (n_pos * n_neg))
+
+
+def bootstrap_interval(
+    predictor: np.ndarray, positive: np.ndarray, n: int, seed: int, level: float = 0.95
+) -> tuple[float, float]:
+    """Percentile interval of the AUROC over `n` stratified resamples (positives and negatives drawn apart, with
+    replacement, each in its own number) from numpy's default_rng(seed)."""
+    predictor, positive = np.asarray(predictor, dtype=np.float64), np.asarray(positive, dtype=bool)
+    rng = np.random.default_rng(seed)
+    pos, neg = np.flatnonzero(positive), np.flatnonzero(~positive)
+    stats = np.empty(n)
+    for b in range(n):
+        idx = np.concatenate([rng.choice(pos, len(pos)), rng.choice(neg, len(neg))])
+        stats[b] = auroc(predictor[idx], positive[idx])
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def evaluate_labels(sites, scores, opts: Options) -> dict:
+    """The AUROC section of the summary: -score against the labels, over the scored, labelled ALTs."""
+    rows = [(i, a, p) for i, a, p in labelled_alts(sites, opts.positive) if scores[i][a] is not None]
+    predictor = np.array([-scores[i][a] for i, a, _ in rows])
+    positive = np.array([p for _, _, p in rows], dtype=bool)
+    out = {
+        "label_field": opts.label_field,
+        "positive": opts.positive,
+        "n_positive": int(positive.sum()),
+        "n_negative": int((~positive).sum()),
+        "n_unlabelled": sum(lab is None for s in sites for lab in s.labels),
+        "auroc": None,
+        "ci95": None,
+        "bootstrap": opts.bootstrap,
+        "seed": opts.seed,
+    }
+    if out["n_positive"] and out["n_negative"]:
+        out["auroc"] = auroc(predictor, positive)
+        if opts.bootstrap > 0:
+            out["ci95"] = list(bootstrap_interval(predictor, positive, opts.bootstrap, opts.seed))
+    return out
+
+
+# ----- the command -------------------------------------------------------------------------------------------------
+
+
+def tsv_path(opts: Options) -> str:
+    """--tsv, or --output with its suffix (.vcf, .vcf.gz, .vcf.bgz, .bcf) replaced by .tsv."""
+    return opts.tsv or re.sub(r"(\.vcf(\.b?gz)?|\.bcf)$", "", opts.output) + ".tsv"
+
+
+def check_options(opts: Options) -> None:
+    """The checks that need no model: flags, and outputs that exist (refused without --overwrite)."""
+    if not opts.output.endswith(OUTPUT_SUFFIXES):
+        raise ScoreError(f"--output {opts.output}: must end in {', '.join(OUTPUT_SUFFIXES)}")
+    if opts.batch_size < 1:
+        raise ScoreError(f"--batch_size={opts.batch_size}: must be positive")
+    if opts.bootstrap < 0:
+        raise ScoreError(f"--bootstrap={opts.bootstrap}: must be 0 (no interval) or more")
+    if bool(opts.label_field) != bool(opts.positive):
+        raise ScoreError(
+            "--label_field (the INFO field of the labels) and --positive (their positive values) go together"
+        )
+    outputs = {"--output": opts.output, "--tsv": tsv_path(opts), "--summary_json": opts.summary_json}
+    paths = [os.path.abspath(p) for p in outputs.values() if p]
+    if len(set(paths)) < len(paths) or os.path.abspath(opts.vcf) in paths:
+        raise ScoreError(f"the outputs ({', '.join(p for p in outputs.values() if p)}) and --vcf must all differ")
+    existing = [f"{flag} {p}" for flag, p in outputs.items() if p and os.path.exists(p)]
+    if existing and not opts.overwrite:
+        raise ScoreError(f"{'; '.join(existing)}: already exists (give --overwrite to replace)")
+
+
+def check_labels(sites: list[Site], opts: Options) -> None:
+    """--positive must match some labelled ALT, and some other labelled ALT must be negative."""
+    if not opts.label_field:
+        return
+    rows = labelled_alts(sites, opts.positive)
+    seen = sorted({lab for s in sites for lab in s.labels if lab is not None})
+    if not any(p for *_, p in rows) or all(p for *_, p in rows):
+        which = "no" if not any(p for *_, p in rows) else "every"
+        raise ScoreError(
+            f"--positive {','.join(opts.positive)} matches {which} labelled ALT of {opts.vcf} (INFO "
+            f"{opts.label_field} values: {', '.join(seen[:20]) or 'none'}): AUROC needs positives and negatives"
+        )
+
+
+def choose_window(loaded: Loaded, window: int | None) -> int:
+    """--window, checked; default: the run's training window (--data.seq_len), at most the model's context."""
+    if window is None:
+        trained = loaded.run_cfg.data.seq_len if loaded.run_cfg is not None else loaded.context
+        return min(trained, loaded.context)
+    if window > loaded.context:
+        raise ScoreError(
+            f"--window={window} is wider than the model's context ({loaded.context} tokens, its "
+            f"--model.max_seq_len): give --window {loaded.context} or less"
+        )
+    if window < 2:
+        raise ScoreError(f"--window={window}: must be at least 2")
+    return window
+
+
+def run(opts: Options, world: World | None = None) -> dict:
+    """Score the VCF and write the outputs (rank 0); the summary. Collective under a launcher; raises ScoreError,
+    VariantError, FastaError, CheckpointError or TokenizerError on bad input before any output is written."""
+    check_options(opts)
+    world = world or start_world()
+    with Genome(opts.fasta) as genome:
+        sites = read_sites(opts.vcf, genome.lengths, opts.label_field)
+        check_refs(genome, sites)
+        check_labels(sites, opts)
+        loaded = load_model(opts.run, opts.step, opts.dtype)
+        window = choose_window(loaded, opts.window)
+        started = time.perf_counter()
+        scores = score_sites(loaded, genome, sites, window, opts, world)
+        seconds = time.perf_counter() - started
+        lengths = {s.chrom: genome.lengths[s.chrom] for s in sites}
+    missing = [(s, a) for s, row in zip(sites, scores) for a, v in enumerate(row) if v is None]
+    skipped = [f"{s.where}: ALT {s.alts[a]}: {skip_reason(s, a, window)}" for s, a in missing]
+    n_scored = sum(v is not None for row in scores for v in row)
+    summary = {
+        "model": loaded.source,
+        "objective": loaded.model_cfg.objective,
+        "parameters": loaded.model.num_parameters(),
+        "context": loaded.context,
+        "dtype": opts.dtype,
+        "vcf": opts.vcf,
+        "fasta": opts.fasta,
+        "window": window,
+        "reverse_complement": opts.reverse_complement,
+        "records": len(sites),
+        "variants": n_scored,
+        "skipped": len(skipped),
+        "first_skipped": skipped[0] if skipped else None,
+        "ranks": world.size,
+        "seconds": round(seconds, 3),
+        "variants_per_s": round(n_scored / max(seconds, 1e-9), 2),
+        "outputs": {"vcf": opts.output, "tsv": tsv_path(opts), "summary_json": opts.summary_json},
+        "evaluation": evaluate_labels(sites, scores, opts) if opts.label_field else None,
+    }
+    if world.main:
+        write_outputs(opts, sites, scores, loaded.causal, lengths, summary)
+    return summary
+
+
+def write_outputs(opts: Options, sites: list[Site], scores, causal: bool, lengths: dict, summary: dict) -> None:
+    """The scored VCF, the TSV and the JSON summary, each through a temporary file renamed when complete."""
+    for path in (opts.output, tsv_path(opts), opts.summary_json):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    what = "log-likelihood ratio ALT vs REF" + (", mean of both strands" if opts.reverse_complement else "")
+    description = f"{PROG}: {what}; {summary['window']} bp windows; model {summary['model']}"
+    write_scored(opts.vcf, opts.output, scores, opts.info_field, description, lengths)
+    write_tsv(tsv_path(opts), sites, scores, lambda s, a: method(causal, s.ref, s.alts[a]), bool(opts.label_field))
+    if opts.summary_json:
+        write_text(opts.summary_json, json.dumps(summary, indent=2) + "\n")
+
+
+def report(summary: dict) -> str:
+    """The printed summary: variants scored, variants/s, AUROC [95% interval]."""
+    lines = [
+        f"{PROG}: {summary['variants']:,} variants scored ({summary['skipped']:,} skipped) in "
+        f"{summary['seconds']:.1f} s: {summary['variants_per_s']:,.1f} variants/s; window {summary['window']}, "
+        f"{'both strands' if summary['reverse_complement'] else 'forward strand'}, {summary['ranks']} rank(s)"
+    ]
+    if summary["first_skipped"]:
+        lines.append(f"first skipped: {summary['first_skipped']}")
+    ev = summary["evaluation"]
+    if ev:
+        ci = " [{:.3f}, {:.3f}]".format(*ev["ci95"]) if ev["ci95"] else ""
+        value = "not computed (a class has no scored variant)" if ev["auroc"] is None else f"{ev['auroc']:.3f}{ci}"
+        lines.append(
+            f"AUROC {value} ({ev['label_field']} in {','.join(ev['positive'])}: {ev['n_positive']:,} "
+            f"positive vs {ev['n_negative']:,} negative; lower score = predicted damaging; {ev['n_unlabelled']:,} "
+            f"unlabelled left out)"
+        )
+    out = summary["outputs"]
+    lines.append("wrote " + ", ".join(p for p in out.values() if p))
+    return "\n".join(lines)
+
+
+def main(ns) -> int:
+    """`megagenome score-variants` on its parsed flags: 0, or 2 with the error on bad input."""
+    opts = Options(**{f.name: getattr(ns, f.name) for f in fields(Options)})
+    if isinstance(opts.positive, str):  # --positive LOF or LOF,INT
+        opts.positive = [p for p in opts.positive.split(",") if p]
+    try:
+        summary = run(opts)
+    except (ScoreError, VariantError, FastaError, CheckpointError, TokenizerError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(report(summary))
+    return 0
