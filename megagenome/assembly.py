@@ -29,6 +29,7 @@ from megagenome.config.load import load_config, locate
 from megagenome.data.dataset import GenomeData, build_genome_data, build_prepared_data
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import DNATransformer
+from megagenome.model.distill import Teacher
 from megagenome.model.transformer import dense_parameters, padded_vocab_size
 from megagenome.parallel import pipeline
 from megagenome.parallel.layout import BatchSizes, LayoutError, ParallelLayout
@@ -233,6 +234,8 @@ def assemble(validated: Validated, ranks: Ranks) -> Run:
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     model, checkpoint_fn = _model(cfg, ranks, ds_conf)
+    if cfg.train.distill_from:
+        model.set_teacher(_teacher(cfg, ranks, ds_conf))
     if layout.pipeline > 1:
         # This rank's stage, its layers taken from the model just built (so pp > 1 starts from pp=1's weights);
         # DeepSpeed takes the PipelineModule's own process grid, the same layout as ranks.state, as mpu.
@@ -256,12 +259,40 @@ def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[DNATransformer
     torch.manual_seed(cfg.train.seed)
     layers = TensorParallelLayers(state, seed=cfg.train.seed) if state.tp > 1 else None
     model = DNATransformer(cfg.model, VOCAB_SIZE, layers)
+    if cfg.model.init_from:  # an export's weights (this rank's shard); a resumed run's checkpoint then replaces them
+        from megagenome.export import init_from
+
+        init_from(model, cfg.model, state.get_tensor_model_parallel_rank(), state.tp)
     checkpoint_fn = ds.activation_checkpoint_function(ds_conf, mpu=state)
     model.set_checkpoint_function(checkpoint_fn)
     if state.sp > 1:
         attention = ds.sequence_parallel_attention(state.get_sequence_parallel_group())
         model.set_sequence_parallel(attention, state.get_sequence_parallel_rank(), state.sp)
     return model, checkpoint_fn
+
+
+def _teacher(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> Teacher:
+    """The frozen teacher of --train.distill_from, whole on this rank's device in the run's precision."""
+    from megagenome.inference import DTYPES, build_model, read_weights
+
+    flag = f"--train.distill_from={cfg.train.distill_from}"
+    try:
+        model_cfg, state, _, _ = read_weights(cfg.train.distill_from)
+    except (ValueError, OSError) as e:
+        raise ConfigError([f"{flag}: {e}"]) from e
+    problems = []
+    if model_cfg.objective != cfg.model.objective:
+        problems.append(
+            f"{flag}: the teacher's objective is {model_cfg.objective}, the student's {cfg.model.objective}"
+        )
+    if model_cfg.max_seq_len < cfg.data.seq_len:
+        problems.append(
+            f"{flag}: the teacher's context {model_cfg.max_seq_len} is below --data.seq_len={cfg.data.seq_len}"
+        )
+    if problems:
+        raise ConfigError(problems)
+    teacher = build_model(model_cfg, state).to(ranks.device, DTYPES[ds_config.weights_dtype(ds_conf)])
+    return Teacher(teacher, cfg.train.distill_alpha, cfg.train.distill_temperature)
 
 
 def evaluate_heldout(run: Run, data: GenomeData) -> dict:

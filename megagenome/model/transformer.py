@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megagenome.config import ModelConfig
+from megagenome.model.distill import Teacher, distill_sums
 from megagenome.model.layers import Block, DenseLayers, RMSNorm, init_normal_
 
 # Embedding rows are padded to a multiple of this so the LM-head matmul has tensor-core friendly shapes.
@@ -64,6 +65,7 @@ class DNATransformer(nn.Module):
 
         self.set_checkpoint_function(None)
         self.sequence_parallel_size = 1
+        self.teacher: Teacher | None = None  # knowledge distillation (set_teacher); not a submodule
         # Per-token loss fn(head_output, labels) -> (B*T,) float32 cross entropy: a tensor-parallel factory's
         # vocabulary-parallel one takes the LM head's output shard (B, T, padded_vocab / tp) as it is. None: cross
         # entropy of the full logits.
@@ -92,6 +94,14 @@ class DNATransformer(nn.Module):
         selective = self.cfg.checkpointing == "selective"
         for block in self.blocks:
             block.attn.recompute_core = self._checkpoint if selective else None
+
+    def set_teacher(self, teacher: Teacher | None) -> None:
+        """Train on the blend of the usual loss and a frozen teacher's soft predictions (model/distill.py). The
+        teacher stays outside the module tree: no parameters of it are trained, partitioned or saved. A whole
+        model only (no tensor-parallel head)."""
+        if teacher is not None and self.token_loss is not None:
+            raise ValueError("distillation needs the whole LM head on each rank (no tensor parallelism)")
+        object.__setattr__(self, "teacher", teacher)
 
     def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1) -> None:
         """Install sequence parallelism: this rank holds chunk `rank` of `size` equal chunks of every sequence.
@@ -157,17 +167,24 @@ class DNATransformer(nn.Module):
         sequences this batch is one chunk of (their max(weight_sum, 1)); loss = nll_sum / weight_total is then
         this chunk's share, and the shares of all chunks add up to the loss of the whole sequences.
         """
+        logits = None
         if self.token_loss is not None:
             ce = self.token_loss(self.lm_head(self.hidden(input_ids)), labels)  # (B*T,)
         else:
-            logits = self.logits(input_ids)  # (B, T, vocab_size)
+            logits = self.logits(input_ids).flatten(0, 1)  # (B*T, vocab_size)
             # Float32 log-softmax: under bf16 the logits' rounding would bias the loss.
-            ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # (B*T,)
+            ce = F.cross_entropy(logits.float(), labels.flatten(), reduction="none")  # (B*T,)
         weight = loss_weight.float().flatten()  # (B*T,)
         nll_sum = (ce * weight).sum()
         weight_sum = weight.sum()
         denominator = weight_sum.clamp(min=1.0) if weight_total is None else weight_total.float()
-        loss = nll_sum / denominator
+        numerator = nll_sum
+        if self.teacher is not None and self.training:
+            # The blend is what is optimised; nll_sum stays the plain cross entropy, so logged losses and bits per
+            # base mean what they mean without a teacher.
+            teacher_logits = self.teacher.logits(input_ids).flatten(0, 1)  # (B*T, vocab_size)
+            numerator = distill_sums(logits, teacher_logits, ce, weight, self.teacher)
+        loss = numerator / denominator
         return loss, nll_sum, weight_sum
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -1,0 +1,376 @@
+"""`megagenome export` (layer L4): a trained run -> a self-contained model directory, and the way back.
+
+    megagenome export RUN --output DIR [--step N] [--dtype fp32|bf16] [--quantize int8 [--eval_fasta FA]]
+
+RUN is a run directory (its newest complete checkpoint, or --step; any layout: ZeRO 0-3, tensor, pipeline or
+sequence parallel, universal, consolidated by train/consolidate.py) or another export directory. DIR holds:
+
+    model.safetensors       the dense weights in --dtype; a causal model's under Hugging Face Llama names
+                            (hf_llama.py), a masked model's under DNATransformer's
+    config.json, generation_config.json, tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                            causal models only: a `LlamaForCausalLM` and a single-nucleotide tokenizer, so that
+                            `AutoModelForCausalLM.from_pretrained(DIR)` computes megagenome's logits
+    megagenome.json         the manifest (inference.EXPORT_MANIFEST, its presence marks an export directory): the
+                            ModelConfig, format version, source run and checkpoint, dtype, int8 measurements
+    model_int8.pt           with --quantize int8: the int8 model (quantize.py says how it is stored and loaded)
+    README.md               a model card: source, step, parameters, held-out bits/base, int8 figures
+
+The directory is written under a temporary name beside DIR and renamed when complete; an existing DIR is refused
+(nothing is overwritten). Exporting needs safetensors only (plus torchao for int8), never transformers.
+
+The way back: read_export (what inference.load_model reads an export directory with) and init_from, which
+`--model.init_from DIR` calls (assembly.py) to start a run from an export's weights, this rank's tensor-parallel
+shard of them, before DeepSpeed wraps the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from megagenome import hf_llama, quantize
+from megagenome.config import ConfigError, ModelConfig
+from megagenome.data.tokenizer import VOCAB, VOCAB_SIZE
+from megagenome.inference import DTYPES, EXPORT_MANIFEST, build_model, read_weights
+from megagenome.metrics import read_metrics
+from megagenome.model import DNATransformer
+from megagenome.model.transformer import dense_parameters
+from megagenome.parallel.tensor_parallel import partition_dim
+from megagenome.train import checkpoint
+from megagenome.train.consolidate import CheckpointError, check_shapes
+
+FORMAT = "megagenome-export"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+PROG = "megagenome export"
+
+
+class ExportError(ValueError):
+    """An export that cannot be written as asked."""
+
+
+def main(ns) -> int:
+    """`megagenome export` on its parsed namespace: 0, or 2 with the reason on stderr."""
+    try:
+        manifest = export(ns.run, ns.output, ns.step, ns.dtype, ns.quantize, ns.eval_fasta, ns.eval_windows)
+    except (ValueError, OSError) as e:  # ExportError, CheckpointError, FastaError, a missing torchao ...
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"{PROG}: error: {e} (--quantize int8 needs torchao: pip install torchao)", file=sys.stderr)
+        return 2
+    source = manifest["source"]
+    print(f"megagenome: exported {source['checkpoint']} (step {source['step']}) to {ns.output}")
+    if manifest["huggingface"]:
+        print(f"  AutoModelForCausalLM.from_pretrained({ns.output!r}) / AutoTokenizer.from_pretrained(...)")
+    if "int8" in manifest:
+        q = manifest["int8"]
+        print(
+            f"  int8: {q['file']} is {q['size_ratio']:.3f}x the fp32 weights; held-out bits/base "
+            f"{q['bits_per_base_fp32']:.4f} fp32 -> {q['bits_per_base_int8']:.4f} int8 ({q['bits_change']:+.4f})"
+        )
+    return 0
+
+
+def export(
+    source: str,
+    output: str,
+    step: int | None = None,
+    dtype: str = "fp32",
+    quantize_to: str = "none",
+    eval_fasta: str | None = None,
+    eval_windows: int | None = None,
+) -> dict:
+    """Write the export directory `output` of `source` (a run or export directory); its manifest."""
+    if os.path.lexists(output):
+        raise ExportError(f"--output {output} already exists: nothing was written (choose a new directory)")
+    if dtype not in ("fp32", "bf16") or quantize_to not in ("none", "int8"):
+        raise ExportError(f"--dtype must be fp32 or bf16 and --quantize none or int8, got {dtype}, {quantize_to}")
+    if quantize_to != "int8" and (eval_fasta is not None or eval_windows is not None):
+        raise ExportError("--eval_fasta and --eval_windows measure the int8 model: give them with --quantize int8")
+    model_cfg, state, read_from, run_cfg = read_weights(source, step)
+    model_cfg = dataclasses.replace(model_cfg, init_from=None)  # a run option, not part of the model
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        manifest = _manifest(model_cfg, _provenance(source, read_from, run_cfg), dtype)
+        _write_weights(tmp, model_cfg, state, DTYPES[dtype])
+        if manifest["huggingface"]:
+            hf_llama.write_hf_files(tmp, model_cfg, DTYPES[dtype])
+        if quantize_to == "int8":
+            manifest["int8"] = _int8(tmp, model_cfg, state, run_cfg, eval_fasta, eval_windows)
+        _write_json(os.path.join(tmp, EXPORT_MANIFEST), manifest)
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as fh:
+            fh.write(model_card(manifest))
+        if os.path.lexists(output):
+            raise ExportError(f"--output {output} appeared while exporting: nothing was overwritten")
+        _readable(tmp)
+        os.rename(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _readable(directory: str) -> None:
+    """Give every file the umask's usual permissions: safetensors writes its file owner-only (0600), which would keep
+    the export from the colleagues it is shared with."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o666 & ~umask)
+
+
+def _manifest(model_cfg: ModelConfig, source: dict, dtype: str) -> dict:
+    causal = model_cfg.objective == "clm"
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model": dataclasses.asdict(model_cfg),
+        "vocab": list(VOCAB),
+        "parameters": dense_parameters(model_cfg, VOCAB_SIZE)[0],
+        "weights": WEIGHTS,
+        "weight_names": "llama" if causal else "megagenome",
+        "dtype": dtype,
+        "huggingface": causal,
+        "source": source,
+    }
+
+
+def _provenance(source: str, read_from: str, run_cfg) -> dict:
+    """Where the weights came from: the run directory, checkpoint and step, and the run's last held-out
+    bits/base at that step (metrics.jsonl); an export directory's own provenance when re-exported."""
+    if run_cfg is None:  # an export directory: keep what it says about its run
+        with open(os.path.join(source, EXPORT_MANIFEST), encoding="utf-8") as fh:
+            return {**json.load(fh)["source"], "exported_from": os.path.abspath(source)}
+    step = checkpoint.read_info(read_from).get("step")
+    if step is None:
+        step = int(os.path.basename(os.path.normpath(read_from)).split("_")[-1])
+    out = {"run_dir": os.path.abspath(source), "checkpoint": os.path.abspath(read_from), "step": int(step)}
+    metrics = os.path.join(source, "metrics.jsonl")
+    rows = read_metrics(metrics) if os.path.isfile(metrics) else []
+    rows = [r for r in rows if r.get("split") == "val" and "bits_per_base" in r and r.get("step", 0) <= step]
+    if rows:
+        out["heldout_bits_per_base"] = rows[-1]["bits_per_base"]
+        out["heldout_step"] = rows[-1]["step"]
+    return out
+
+
+def _write_weights(out_dir: str, model_cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """model.safetensors: Llama names for a causal model (what transformers loads), DNATransformer's otherwise;
+    a tied LM head is stored once (as the embedding)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if model_cfg.objective == "clm":
+        weights = hf_llama.to_llama(state, model_cfg)
+    else:
+        weights = _untied(state, model_cfg)
+    save_file(weights, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
+
+
+def _untied(state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """DNATransformer's state dict without the tied LM head (safetensors stores no shared tensors)."""
+    return {k: v.contiguous() for k, v in state.items() if not (k == "lm_head.weight" and model_cfg.tie_embeddings)}
+
+
+def _int8(out_dir, model_cfg, state, run_cfg, eval_fasta, eval_windows) -> dict:
+    """model_int8.pt, its size next to the float32 weights', and the held-out bits/base of both models."""
+    from safetensors.torch import save
+
+    fp32 = build_model(model_cfg, state).eval()
+    int8 = quantize.quantize_int8(build_model(model_cfg, state).eval())
+    int8_bytes = quantize.save_int8(int8, os.path.join(out_dir, quantize.INT8_WEIGHTS))
+    # The size of a float32 model.safetensors, whatever --dtype wrote.
+    fp32_bytes = len(save(_untied({k: v.float() for k, v in state.items()}, model_cfg)))
+    data, described = quantize.eval_data(model_cfg, run_cfg, eval_fasta, eval_windows)
+    try:
+        batches = quantize.eval_batches(data)
+    finally:
+        data.close()
+    bits_fp32, bases = quantize.heldout_bits(fp32, batches)
+    bits_int8, _ = quantize.heldout_bits(int8, batches)
+    return {
+        "file": quantize.INT8_WEIGHTS,
+        "scheme": quantize.SCHEME,
+        "bytes": int8_bytes,
+        "fp32_bytes": fp32_bytes,
+        "size_ratio": int8_bytes / fp32_bytes,
+        "eval_data": described,
+        "eval_windows": len(data.eval_regions),
+        "eval_bases": bases,
+        "bits_per_base_fp32": bits_fp32,
+        "bits_per_base_int8": bits_int8,
+        "bits_change": bits_int8 - bits_fp32,
+    }
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+
+
+# ----- the model card ---------------------------------------------------------------------------------------------
+
+
+def model_card(manifest: dict) -> str:
+    """README.md of an export directory: what it is, where it came from, how to load it, the int8 figures."""
+    m, src = manifest["model"], manifest["source"]
+    kind = "causal (next-base, clm)" if manifest["huggingface"] else "masked (mlm)"
+    heldout = src.get("heldout_bits_per_base")
+    rows = [
+        ("source run", f"`{src.get('run_dir', '?')}`"),
+        ("checkpoint", f"`{os.path.basename(src.get('checkpoint', '?'))}` (step {src.get('step', '?')})"),
+        ("parameters", f"{manifest['parameters']:,}"),
+        ("shape", f"d_model {m['d_model']}, {m['n_layer']} blocks, {m['n_head']} heads, context {m['max_seq_len']}"),
+        ("weights", f"`{WEIGHTS}` ({manifest['dtype']})"),
+        ("held-out bits/base", f"{heldout:.4f} (step {src['heldout_step']})" if heldout is not None else "not logged"),
+    ]
+    lines = [
+        "# megagenome DNA language model",
+        "",
+        f"A {kind} single-nucleotide DNA language model (tokens {' '.join(manifest['vocab'])}), exported by "
+        "`megagenome export`.",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in rows),
+        "",
+        "## Use",
+        "",
+        "```python",
+    ]
+    if manifest["huggingface"]:
+        lines += [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            'tok = AutoTokenizer.from_pretrained("DIR")',
+            'model = AutoModelForCausalLM.from_pretrained("DIR")  # DIR: this directory',
+            'ids = tok("ACGTACGT", return_tensors="pt").input_ids',
+            "out = model.generate(ids, max_new_tokens=32, do_sample=True)  # bases only",
+        ]
+    lines += ["from megagenome.inference import load_model", 'loaded = load_model("DIR")  # megagenome.DNATransformer']
+    lines += ["```", "", "Continue pretraining from it with `megagenome pretrain ... --model.init_from DIR`.", ""]
+    if "int8" in manifest:
+        lines += _int8_card(manifest["int8"])
+    return "\n".join(lines)
+
+
+def _int8_card(q: dict) -> list[str]:
+    return [
+        "## INT8",
+        "",
+        f"`{q['file']}`: {q['scheme']}. Load it with `megagenome.export.load_int8(DIR)`.",
+        "",
+        "| | float32 | int8 |",
+        "|---|---|---|",
+        f"| size (bytes) | {q['fp32_bytes']:,} | {q['bytes']:,} ({q['size_ratio']:.3f}x) |",
+        f"| bits/base | {q['bits_per_base_fp32']:.4f} | {q['bits_per_base_int8']:.4f} ({q['bits_change']:+.4f}) |",
+        "",
+        f"bits/base measured on {q['eval_data']}: {q['eval_windows']} windows, {q['eval_bases']:g} scored bases.",
+        "",
+    ]
+
+
+# ----- reading an export back -------------------------------------------------------------------------------------
+
+
+def read_manifest(path: str) -> dict:
+    try:
+        with open(os.path.join(path, EXPORT_MANIFEST), encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a `megagenome export` directory ({EXPORT_MANIFEST}: {e})") from e
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: {EXPORT_MANIFEST} is format {manifest.get('format')} version {manifest.get('format_version')}, "
+            f"this megagenome reads {FORMAT} version {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def read_export(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(the model config, the dense weights with DNATransformer's keys, in the stored dtype) of an export directory;
+    lm_head.weight is embed.weight when tied."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(path)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(manifest["model"]) - fields)
+    if unknown:
+        raise CheckpointError(f"{path}: {EXPORT_MANIFEST} has model fields this megagenome does not know: {unknown}")
+    model_cfg = ModelConfig(**manifest["model"])
+    try:
+        weights = load_file(os.path.join(path, manifest["weights"]))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: cannot read {manifest['weights']}: {e}") from e
+    if manifest["weight_names"] == "llama":
+        try:
+            state = hf_llama.from_llama(weights, model_cfg)
+        except KeyError as e:
+            raise CheckpointError(f"{path}: {e.args[0]}") from e
+    else:
+        state = dict(weights)
+        if model_cfg.tie_embeddings and "embed.weight" in state:
+            state["lm_head.weight"] = state["embed.weight"]
+    check_shapes(state, model_cfg, path)
+    return model_cfg, state
+
+
+def load_int8(path: str) -> DNATransformer:
+    """The int8 model of an export written with --quantize int8, in eval mode on CPU."""
+    manifest = read_manifest(path)
+    if "int8" not in manifest:
+        raise CheckpointError(f"{path}: exported without --quantize int8 (no {quantize.INT8_WEIGHTS})")
+    model_cfg, _ = read_export(path)
+    return quantize.load_int8(model_cfg, os.path.join(path, manifest["int8"]["file"]))
+
+
+# ----- --model.init_from ------------------------------------------------------------------------------------------
+
+
+def init_from(model: torch.nn.Module, run_model: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Load the weights of the export `run_model.init_from` into `model`, this rank's DNATransformer (its
+    tensor-parallel shard when tp_size > 1), before DeepSpeed wraps it. ConfigError when the export cannot be read
+    or its model is not this run's shape (naming the tensor); max_seq_len, rope_theta, dropout and the rest of what
+    no tensor holds may differ."""
+    path = run_model.init_from
+    flag = f"--model.init_from={path}"
+    try:
+        export_cfg, state = read_export(path)
+    except CheckpointError as e:
+        raise ConfigError([f"{flag}: {e}"]) from e
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DNATransformer(run_model, VOCAB_SIZE).state_dict().items()}
+    shape = f"d_model={export_cfg.d_model}, n_layer={export_cfg.n_layer}, n_head={export_cfg.n_head}"
+    problems = [
+        f"{flag}: tensor {k} is {list(state[k].shape)} in the export ({shape}), this run's model needs {list(want)}"
+        for k, want in expected.items()
+        if k in state and tuple(state[k].shape) != want
+    ]
+    problems += [f"{flag}: the export has no tensor {k}, this run's model needs it" for k in expected if k not in state]
+    problems += [f"{flag}: the export's tensor {k} is not in this run's model" for k in state if k not in expected]
+    if problems:
+        raise ConfigError(problems[:3] + ([f"... {len(problems) - 3} more"] if len(problems) > 3 else []))
+    local = {k: shard(k, v, tp_rank, tp_size) for k, v in state.items()}
+    with torch.no_grad():
+        model.load_state_dict(local, strict=True)
+
+
+def shard(name: str, weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Tensor-parallel rank `rank`'s slice of the dense weight `name` (parallel/tensor_parallel.py splits a weight
+    into `size` contiguous chunks along its partition_dim); the whole weight when it is replicated."""
+    dim = partition_dim(name)
+    if dim is None or size == 1:
+        return weight
+    if weight.size(dim) % size:
+        raise ConfigError([f"tensor {name} {list(weight.shape)}: dimension {dim} does not split into {size} shards"])
+    return weight.chunk(size, dim=dim)[rank]
