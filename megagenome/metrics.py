@@ -25,7 +25,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 CHECKPOINTING = ("none", "full", "every_k", "selective")
 
@@ -254,14 +254,20 @@ def bits_per_base(nll_sum_nats: float, weight_sum: float) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl (rank 0 only writes)."""
+    """Appends one JSON object per line to metrics.jsonl (rank 0 only writes).
 
-    def __init__(self, path: str, enabled: bool):
+    sinks: more consumers of every row (dashboards.py Dashboards: TensorBoard, W&B), each with write(row),
+    truncate_after(step) and close(); a disabled writer forwards nothing."""
+
+    def __init__(self, path: str, enabled: bool, sinks: Sequence = ()):
         self.path = path
         self.enabled = enabled
+        self.sinks = list(sinks) if enabled else []
 
     def truncate_after(self, step: int) -> None:
         """Drop rows past `step` (used on resume so the file matches the restored state)."""
+        for sink in self.sinks:
+            sink.truncate_after(step)
         if not self.enabled or not os.path.exists(self.path):
             return
         with open(self.path, encoding="utf-8") as fh:
@@ -276,6 +282,13 @@ class MetricsWriter:
             return
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
+        for sink in self.sinks:
+            sink.write(row)
+
+    def close(self) -> None:
+        """Close the sinks (flushes their files); the writer itself keeps no file open."""
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from megagenome import assembly, summary
+from megagenome import assembly, dashboards, summary
 from megagenome.assembly import Run, Validated
 from megagenome.config import RootConfig, config_hash, d_ff, signal_number, to_dict
 from megagenome.data.dataset import GenomeData
@@ -143,7 +143,8 @@ def _resume(run: Run, validated: Validated) -> tuple[int, MetricsWriter]:
     """The resume stage: load --checkpoint.resume's checkpoint if there is one; the metrics writer, its rows after
     the resumed step dropped. Returns (the step training starts after, the writer)."""
     cfg, rank = run.cfg, run.ranks.rank
-    writer = MetricsWriter(os.path.join(cfg.log.run_dir, "metrics.jsonl"), enabled=rank == 0)
+    sinks = dashboards.for_run(cfg.log, to_dict(cfg), rank)  # TensorBoard, W&B: every row, closed by _fit
+    writer = MetricsWriter(os.path.join(cfg.log.run_dir, "metrics.jsonl"), enabled=rank == 0, sinks=sinks)
     path = validated.resume_from
     if path is None:
         return 0, writer
@@ -199,6 +200,7 @@ def _fit(run: Run, data: GenomeData, plan: LoopPlan, writer: MetricsWriter, stop
         )
     finally:
         watchdog.stop()
+        writer.close()  # flushes TensorBoard and finishes the W&B run, also on failure
 
 
 def train_step(run: Run, tokens: TokenCounter, to_device, plan: LoopPlan):

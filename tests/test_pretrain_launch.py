@@ -9,8 +9,9 @@ import json
 import os
 
 import pytest
-from support.helpers import copy_genome, launch, tiny_config, write_yaml
+from support.helpers import cli, copy_genome, launch, tiny_config, write_yaml
 
+from megagenome.dashboards import read_tensorboard, scalars
 from megagenome.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,7 @@ def test_two_rank_run_through_the_deepspeed_launcher(uninterrupted):
             "metrics.jsonl",
             "split.json",
             "summary.json",
+            "tensorboard",
         ]
     )
     memory = json.loads((run_dir / "memory.json").read_text())
@@ -78,6 +80,27 @@ def test_two_rank_run_through_the_deepspeed_launcher(uninterrupted):
     assert "held-out bits/base" in proc.stdout and "order-8 Markov" in proc.stdout
     split = json.loads((run_dir / "split.json").read_text())
     assert split  # the split is recorded
+    assert tensorboard_matches_metrics(run_dir, rows)
+    shown = cli("report", str(run_dir))  # `megagenome report`: its plots and report.md, default RUN/report
+    assert shown.returncode == 0 and "report.md and 6 plot(s)" in shown.stdout, shown.stderr[-3000:]
+    pngs = ["bits_per_base", "loss", "lr", "memory", "mfu", "tokens_per_s"]
+    assert sorted(os.listdir(run_dir / "report")) == sorted([f"{n}.png" for n in pngs] + ["report.md"])
+    report = (run_dir / "report" / "report.md").read_text()
+    assert "| steps | 6 of 6 |" in report and "order-8 Markov" in report and "Not drawn" not in report
+
+
+def tensorboard_matches_metrics(run_dir, rows) -> bool:
+    """The TensorBoard event files show every number of every metrics row (training and eval) at its step, once."""
+    expected = {}
+    for row in rows:
+        step, values = scalars(row)
+        for tag, value in values.items():
+            expected.setdefault(tag, {})[step] = value
+    shown = read_tensorboard(str(run_dir / "tensorboard"))
+    assert set(shown) == set(expected) and {"train/loss", "val/bits_per_base"} <= set(shown)
+    for tag in expected:
+        assert shown[tag] == pytest.approx(expected[tag], rel=1e-6), tag  # float32 in the event files
+    return True
 
 
 def test_resume_equals_uninterrupted(uninterrupted, phix, tmp_path):
@@ -89,7 +112,9 @@ def test_resume_equals_uninterrupted(uninterrupted, phix, tmp_path):
     assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").exists(), first.stderr[-4000:]
     second = launch(2, "pretrain", "--config", cfg)
     assert "resumed from" in second.stdout
-    resumed = train_losses(finished(str(run_dir), second))
+    resumed_rows = finished(str(run_dir), second)
+    resumed = train_losses(resumed_rows)
+    assert tensorboard_matches_metrics(run_dir, resumed_rows)  # two invocations, two event files, each step once
     reference = train_losses(full_rows)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
