@@ -8,6 +8,7 @@ at the YAML file and line that set the flag.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import signal
 
@@ -172,9 +173,12 @@ def _checkpoint_problems(c: CheckpointConfig, t: TrainConfig) -> list[str]:
 
 
 def _log_problems(log: LogConfig) -> list[str]:
+    problems = []
     if log.peak_tflops is not None and not log.peak_tflops > 0:
-        return [f"--log.peak_tflops={log.peak_tflops:g}: must be positive (TFLOP/s of one device)"]
-    return []
+        problems.append(f"--log.peak_tflops={log.peak_tflops:g}: must be positive (TFLOP/s of one device)")
+    if log.wandb and importlib.util.find_spec("wandb") is None:
+        problems.append("--log.wandb=true needs the wandb package: pip install 'megagenome[wandb]'")
+    return problems
 
 
 def signal_number(name: str | None) -> int | None:
