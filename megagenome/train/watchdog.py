@@ -4,9 +4,12 @@ dumps every thread's Python stack and exits non-zero.
 A distributed hang (one rank stuck in I/O or dead, the others blocked in a collective that never completes)
 otherwise burns the whole allocation silently. Every rank runs its own watchdog thread; when a rank hangs,
 the others hang in the next collective, so every rank's watchdog fires and each leaves its stacks: on stderr
-(the launcher's per-rank log) and in <run dir>/hang_rank<R>.txt. The process then exits with HANG_EXIT
-through os._exit, since a thread blocked in a collective cannot be unwound; the last complete checkpoint is
-untouched (checkpoints are written under a temporary name and marked complete only when whole).
+(the launcher's per-rank log) and in <run dir>/hang_rank<R>.txt. The ranks' clocks restart at slightly different
+times (rank 0 finishes a checkpoint's bookkeeping last), and a launcher stops every rank as soon as one exits, so a
+rank that fired waits a grace period (GRACE_S, at most the timeout) for the others' watchdogs to dump their stacks
+too. The process then exits with HANG_EXIT through os._exit, since a thread blocked in a collective cannot be
+unwound; the last complete checkpoint is untouched (checkpoints are written under a temporary name and marked
+complete only when whole).
 
 The clock starts when the first step begins, so start-up (data indexing, engine build) does not count; it
 restarts at every completed step. Evaluation and checkpoint saving run `paused()` (pretrain.py), so a long save to
@@ -24,6 +27,7 @@ import time
 from collections.abc import Callable
 
 HANG_EXIT = 86  # distinct from 1 (error), 2 (bad config), 3 (fp16 overflow stop) and 75 (stopped for a requeue)
+GRACE_S = 10.0  # after dumping, before exiting: the other ranks' watchdogs fire within a poll or two of this one
 
 
 class Watchdog:
@@ -94,4 +98,5 @@ class Watchdog:
                 faulthandler.dump_traceback(file=fh, all_threads=True)
         except OSError as e:
             sys.stderr.write(f"megagenome: could not write the stack dump to {self.dump_dir}: {e}\n")
+        time.sleep(min(GRACE_S, self.timeout_s))  # the other ranks' dumps, before the launcher stops them
         self._exit(HANG_EXIT)
