@@ -9,8 +9,10 @@ The layout is in data/prepared.py.
 Work is split by source over --workers processes. Everything is deterministic: the same inputs give the same
 bytes. Each shard is written under a temporary name, synced and renamed, and only then is its index entry
 (shards/<unit>.json) written the same way; a rerun skips every unit whose entry matches its inputs (their
-SHA-256) and options and whose shard still has the recorded SHA-256, and removes temporary files an interrupted
-run left. index.json and manifest.json (with the SHA-256 of every input and output) are written last.
+SHA-256) and options and whose shard still has the recorded SHA-256, and removes temporary files a killed run
+left; a unit that fails (a bad VCF record, a full disk, an interrupt) removes its own before the error goes on.
+Each entry records its shard's size ("bytes") and SHA-256, which training checks (data/prepared.py read_index).
+index.json and manifest.json (with the SHA-256 of every input and output) are written last.
 
 Coordinates: held-out ranges and BED intervals are given on the reference; on a haplotype with indels they are
 moved to the haplotype's coordinates (variants.lift_position) before the split is cut.
@@ -36,22 +38,13 @@ from megagenome.data import prepared as layout
 from megagenome.data import variants
 from megagenome.data.fasta import Genome
 from megagenome.data.intervals import SplitError, build_split, n_free_intervals, restrict
+from megagenome.data.prepared import sha256_file
 from megagenome.data.tokenizer import N_ID, encode
 from megagenome.record import atomic_write
-
-CHUNK = 8 << 20
 
 
 class ManifestError(ValueError):
     """Problems of a manifest, each naming the manifest file and the source and key."""
-
-
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def resolve(manifest: ManifestConfig, base: str) -> ManifestConfig:
@@ -184,6 +177,36 @@ def _write_unit(src, manifest, out, haplotype, n_hap, reference: dict[str, bytes
     final = os.path.join(out, layout.SHARDS, shard_name)
     tmp = f"{final}.tmp.{os.getpid()}"
     digest = hashlib.sha256()
+    try:
+        contigs = _write_shard(tmp, src, haplotype, reference, edits, declared, intervals, manifest.max_n_run, digest)
+        os.replace(tmp, final)
+    except BaseException:  # a bad VCF record, a full disk, an interrupt: no temporary shard is left behind
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    offset = sum(c["length"] for c in contigs)
+    entry = {
+        "name": name,
+        "source": src.name,
+        "group": src.group or src.name,
+        "species": src.species,
+        "haplotype": haplotype,
+        "weight": None if src.weight is None else src.weight / n_hap,  # a source's haplotypes share its weight
+        "pack": src.pack,
+        "shard": shard_name,
+        "bytes": offset,
+        "sha256": digest.hexdigest(),
+        "inputs": inputs,
+        "spec_sha256": _spec(src, manifest, haplotype),
+        "contigs": contigs,
+    }
+    atomic_write(os.path.join(out, layout.SHARDS, f"{name}.json"), json.dumps(entry, indent=1) + "\n")
+    return entry
+
+
+def _write_shard(tmp, src, haplotype, reference, edits, declared, intervals, max_n_run, digest) -> list[dict]:
+    """Write the unit's contigs, haplotype edits applied, to `tmp` (fsynced), feeding `digest`; returns the index
+    entries of the contigs."""
     contigs, offset = [], 0
     with open(tmp, "wb") as fh:
         for contig, seq in reference.items():
@@ -203,30 +226,13 @@ def _write_unit(src, manifest, out, haplotype, n_hap, reference: dict[str, bytes
                     "n_bases": int((tokens == N_ID).sum()),
                     "softmasked_bases": int(soft.sum()),
                     "variants_applied": len(contig_edits),
-                    "split": _contig_split(contig, tokens, declared, bed, contig_edits, manifest.max_n_run),
+                    "split": _contig_split(contig, tokens, declared, bed, contig_edits, max_n_run),
                 }
             )
             offset += int(tokens.size)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    entry = {
-        "name": name,
-        "source": src.name,
-        "group": src.group or src.name,
-        "species": src.species,
-        "haplotype": haplotype,
-        "weight": None if src.weight is None else src.weight / n_hap,  # a source's haplotypes share its weight
-        "pack": src.pack,
-        "shard": shard_name,
-        "bytes": offset,
-        "sha256": digest.hexdigest(),
-        "inputs": inputs,
-        "spec_sha256": _spec(src, manifest, haplotype),
-        "contigs": contigs,
-    }
-    atomic_write(os.path.join(out, layout.SHARDS, f"{name}.json"), json.dumps(entry, indent=1) + "\n")
-    return entry
+    return contigs
 
 
 # ----- the whole manifest -------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ leaves a half-written record.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -16,11 +17,22 @@ import yaml
 
 
 def atomic_write(path: str, text: str) -> None:
-    """Write text to path through a temporary file and a rename."""
+    """Write text to path through a temporary file (`<path>.tmp.<pid>`, fsynced) and a rename.
+
+    On any failure (a full disk, which often shows only at fsync; a rename refused; an interrupt) the temporary
+    file is removed and the error raised: `path` keeps its previous content and nothing else is left behind.
+    """
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # never created, or already gone
+            os.remove(tmp)
+        raise
 
 
 def write_yaml(path: str, data: dict) -> None:

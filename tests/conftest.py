@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import tempfile
 
 import pytest
 
+# FASTA indexes are built in megagenome's cache (data/fasta.py), never beside an input: a private one per session,
+# inherited by every process the tests start, so the suite leaves nothing in ~/.cache.
+os.environ.setdefault("MEGAGENOME_CACHE", tempfile.mkdtemp(prefix="megagenome-test-cache-"))
+
 # ----- data layer (tests/test_data_*.py) ------------------------------------------------------------------
-# pyfaidx writes .fai/.gzi beside a FASTA, so tests read copies in tmp paths, never the checked-in files.
+# Tests read copies of genomes in tmp paths, never the checked-in files (which must stay as they are).
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA_DIR = _REPO / "tests" / "data"

@@ -3,8 +3,11 @@
 import gzip
 import os
 import shutil
+import subprocess
+import tempfile
 
 import pytest
+from support.helpers import DATA
 
 from megagenome.data.fasta import FastaError, Genome, validate_fasta
 
@@ -123,7 +126,7 @@ def test_ecoli_bgzf_fetch_matches_gunzip(ecoli_fasta):
         ]:
             assert genome.fetch(ECOLI_CONTIG, start, end) == plain[start:end], (start, end)
         assert genome.read_contig(ECOLI_CONTIG) == plain
-        assert os.path.exists(ecoli_fasta + ".gzi")
+        assert not os.path.exists(ecoli_fasta + ".gzi")  # its index is in the cache, not beside the input
 
 
 def test_chr17_case_preserved(genome_copy):
@@ -156,3 +159,116 @@ def test_index_dir(tmp_path, genome_copy):
         assert len(genome.read_contig("NC_001422.1")) == 5386
     assert os.path.exists(tmp_path / "idx" / "phiX174_NC_001422.1.fna.fai")
     assert not os.path.exists(path + ".fai")
+
+
+# ----- where the index goes: never beside the user's FASTA (the "lose nothing" issue, item 8) ------------------
+
+
+def listing(directory) -> dict[str, tuple[int, int]]:
+    """name -> (size, mtime_ns) of every file in `directory`: what a user would see changed."""
+    return {e.name: (e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory)}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """MEGAGENOME_CACHE set to an empty tmp_path/cache."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("MEGAGENOME_CACHE", str(path))
+    return path
+
+
+def cached(cache) -> list[str]:
+    return sorted(p.name for p in cache.rglob("*") if p.is_file()) if cache.exists() else []
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Factory: read_only(dir) -> a read-only bind mount of dir (real for root too), unmounted at the end."""
+    mounts = []
+
+    def mount(directory) -> str:
+        target = tmp_path / f"ro{len(mounts)}"
+        target.mkdir()
+        for args in (["--bind", str(directory), str(target)], ["-o", "remount,bind,ro", str(target)]):
+            proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+            if proc.returncode != 0:
+                if args[0] != "--bind":
+                    subprocess.run(["umount", str(target)])
+                pytest.skip(f"`mount {' '.join(args)}` refused (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}")
+        mounts.append(target)
+        return str(target)
+
+    yield mount
+    for target in mounts:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def test_index_built_in_the_cache_or_read_from_beside(tmp_path, cache):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    path = write(inputs, b">a\nACGTACGT\nACG\n>b\nacgtn\n", "g.fa")
+    before = listing(inputs)
+    with Genome(path) as genome:
+        assert genome.lengths == {"a": 11, "b": 5}
+    assert listing(inputs) == before
+    assert cached(cache) == ["g.fa.fai", "g.fa.fai.lock"]
+    # A fresh index already beside the FASTA (samtools faidx's) is read as it is: nothing is built or written.
+    (fai,) = cache.rglob("g.fa.fai")
+    shutil.copy(fai, path + ".fai")
+    shutil.rmtree(cache)
+    before = listing(inputs)
+    with Genome(path) as genome:
+        assert genome.fetch("a", 7, 10) == b"TAC"
+    assert listing(inputs) == before and cached(cache) == []
+    # One older than the FASTA is left alone (pyfaidx would rebuild it in place); ours goes to the cache.
+    os.utime(path + ".fai", ns=(1, 1))
+    before = listing(inputs)
+    with Genome(path) as genome:
+        assert genome.fetch("b", 0, 5) == b"acgtn"
+    assert listing(inputs) == before and cached(cache) == ["g.fa.fai", "g.fa.fai.lock"]
+
+
+def test_fasta_in_a_read_only_directory(tmp_path, ecoli_fasta, monkeypatch, read_only):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    shutil.copy(ecoli_fasta, inputs)
+    shutil.copy(DATA / "phiX174_NC_001422.1.fna", inputs)
+    mounted = read_only(inputs)
+    with pytest.raises(OSError, match="Read-only file system"):  # really read-only, root included
+        open(os.path.join(mounted, "probe"), "w")  # noqa: SIM115
+    before = listing(inputs)
+    monkeypatch.delenv("MEGAGENOME_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with Genome(os.path.join(mounted, os.path.basename(ecoli_fasta))) as genome:  # BGZF: .fai and .gzi
+        assert genome.fetch(ECOLI_CONTIG, 65_000, 65_010) == genome.read_contig(ECOLI_CONTIG)[65_000:65_010]
+    assert sorted(p.name for p in (tmp_path / "xdg" / "megagenome").rglob("*.bgz.*")) == [
+        "ecoli_K12_MG1655_NC_000913.2.fa.bgz.fai",
+        "ecoli_K12_MG1655_NC_000913.2.fa.bgz.fai.lock",
+        "ecoli_K12_MG1655_NC_000913.2.fa.bgz.gzi",
+    ]
+    # A cache that cannot be written (here: inside the read-only mount) falls back to the temp directory.
+    monkeypatch.setenv("MEGAGENOME_CACHE", os.path.join(mounted, "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with Genome(os.path.join(mounted, "phiX174_NC_001422.1.fna")) as genome:
+        assert genome.lengths == {"NC_001422.1": 5386}
+    assert list((tmp_path / "tmp").rglob("phiX174_NC_001422.1.fna.fai"))
+    assert listing(inputs) == before
+
+
+def test_a_run_config_that_fails_validation_leaves_the_fasta_folder_unchanged(tmp_path, cache):
+    from support.helpers import tiny_config
+
+    from megagenome.assembly import validate
+    from megagenome.config import ConfigError
+    from megagenome.config.load import config_from_dict
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    fasta = shutil.copy(DATA / "phiX174_NC_001422.1.fna", inputs)
+    before = listing(inputs)
+    cfg = tiny_config(tmp_path, str(fasta), tmp_path / "run", data__val_ranges=["chrX:1-100"])
+    with pytest.raises(ConfigError, match="chrX"):  # found after the genome was opened and indexed
+        validate(config_from_dict(cfg), [], world_size=1, runtime=False)
+    assert listing(inputs) == before
+    assert cached(cache) == ["phiX174_NC_001422.1.fna.fai", "phiX174_NC_001422.1.fna.fai.lock"]

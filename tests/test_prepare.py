@@ -360,3 +360,58 @@ def test_example_manifest_prepares(tmp_path):
         ("ecoli", "ecoli", 3.0),
         ("h100.hap0", "individual-H100", 1.0),
     ]
+
+
+# ----- what prepare leaves behind and what training accepts (the "lose nothing" issue, items 5 and 8) -----------
+
+
+def test_failed_prepare_leaves_no_temporary_shard(inputs, tmp_path):
+    """A VCF whose REF is wrong on the second record of the FASTA: the shard is half written when the error comes
+    (phiX done, the mtDNA record not); prepare exits 2 and removes it."""
+    (inputs / "two.fa").write_bytes(
+        (DATA / "phiX174_NC_001422.1.fna").read_bytes() + (inputs / "chrM_rCRS_16569bp.fa").read_bytes()
+    )
+    vcf = (inputs / "mtDNA_H100_vs_rCRS.vcf").read_text().splitlines()
+    row = next(i for i, line in enumerate(vcf) if not line.startswith("#") and "\t263\t" in line)
+    fields = vcf[row].split("\t")
+    vcf[row] = "\t".join([*fields[:3], "C", *fields[4:]])  # rCRS has A at 263
+    (inputs / "two_bad.vcf").write_text("\n".join(vcf) + "\n")
+    source = mito_source() | {"name": "two", "fasta": "two.fa", "vcf": "two_bad.vcf", "val_ranges": []}
+    out = tmp_path / "failed"
+    proc = prepare(write_manifest(inputs / "two.yaml", [source]), out)
+    assert proc.returncode == 2 and "REF C does not match the reference" in proc.stderr, proc.stderr[-2000:]
+    assert os.listdir(out / "shards") == []  # no two.hap0.bin.tmp.<pid>, no shard, no entry
+    assert sorted(os.listdir(out)) == ["shards"]
+
+
+@pytest.fixture
+def phix_prepared(inputs, tmp_path):
+    out = tmp_path / "phix"
+    source = {"name": "phix", "fasta": "phiX174_NC_001422.1.fna", "val_ranges": ["NC_001422.1:4301-5386"]}
+    proc = prepare(write_manifest(tmp_path / "phix.yaml", [source | {"fasta": str(inputs / source["fasta"])}]), out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_a_shard_altered_after_prepare_is_refused(phix_prepared):
+    shard = phix_prepared / "shards" / "phix.bin"
+    index = json.loads((phix_prepared / "index.json").read_text())
+    assert index["units"][0]["bytes"] == shard.stat().st_size == 5386  # prepare records size and digest
+    assert index["units"][0]["sha256"] == prepared.sha256_file(str(shard))
+    data = bytearray(shard.read_bytes())
+    data[1000] ^= 0x80  # one soft-mask flag: same size, same tokens
+    shard.write_bytes(bytes(data))
+    cfg = DataConfig(prepared=str(phix_prepared), seq_len=64)
+    with pytest.raises(ValueError, match=r"phix\.bin: SHA-256 [0-9a-f]{12}\.\.\., but .*index\.json records") as e:
+        build_prepared_data(cfg, "clm")
+    assert "rerun `megagenome prepare`" in str(e.value) and str(shard) in str(e.value)
+
+    # An index written before digests were recorded still opens (the size is all it can check) ...
+    for unit in index["units"]:
+        del unit["sha256"]
+    (phix_prepared / "index.json").write_text(json.dumps(index))
+    build_prepared_data(cfg, "clm").close()
+    # ... and a shard of another size is refused whatever the index records.
+    shard.write_bytes(bytes(data[:-1]))
+    with pytest.raises(prepared.PreparedDataError, match=r"phix\.bin: 5385 bytes, but .* records 5386.*rerun"):
+        build_prepared_data(cfg, "clm")

@@ -7,6 +7,12 @@ fails with the file, line and column of the first problem.
 
 Plain and BGZF-compressed files are accepted. Plain gzip is refused: pyfaidx needs to seek to arbitrary
 offsets, which only BGZF's independent blocks allow.
+
+Indexes never go beside the user's FASTA (its folder may be read-only or shared, and a run that fails validation
+must leave nothing behind): a fresh .fai/.gzi already there (samtools faidx's) is read; otherwise one is built once,
+atomically, in a per-user cache, $MEGAGENOME_CACHE, else $XDG_CACHE_HOME/megagenome, else ~/.cache/megagenome, with
+its lock file. Entries are small (~100 bytes per contig, plus ~16 bytes per 64 KiB of BGZF) and may be deleted at
+any time; they are rebuilt when needed.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import gzip
 import hashlib
 import os
 import re
+import socket
 import tempfile
 import zlib
 from typing import IO
@@ -194,73 +201,128 @@ def _crlf(path: str, fh: IO[bytes], number: int, seen_lf: int) -> None:
     raise FastaError(f"{path}:{number}: Windows (CRLF) line endings; {fix}")
 
 
+def cache_dir() -> str:
+    """Where megagenome keeps what it derives from inputs (FASTA indexes): $MEGAGENOME_CACHE, else
+    $XDG_CACHE_HOME/megagenome, else ~/.cache/megagenome."""
+    if os.environ.get("MEGAGENOME_CACHE"):
+        return os.environ["MEGAGENOME_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "megagenome")
+
+
 def _fresh(path: str, index: str) -> bool:
-    """Whether `index` exists and is not older than `path` (pyfaidx rebuilds older ones)."""
+    """Whether `index` exists and is not older than `path` (pyfaidx's rule: it rebuilds older ones)."""
     return os.path.exists(index) and os.path.getmtime(index) >= os.path.getmtime(path)
 
 
-def _index_paths(path: str, index_dir: str | None) -> tuple[str | None, str | None]:
-    """Where pyfaidx keeps .fai/.gzi: next to the FASTA (None, pyfaidx's default) unless that is read-only.
+def _complete(path: str, fai: str, gzi: str) -> bool:
+    """Whether a fresh .fai (and, for BGZF, .gzi) is at these names."""
+    return _fresh(path, fai) and (not path.lower().endswith(_COMPRESSED_SUFFIXES) or _fresh(path, gzi))
 
-    Reference genomes on clusters often live in read-only directories; then the index goes to a per-file
-    directory under the system temp dir, keyed by the FASTA's absolute path, size and mtime.
-    """
-    if index_dir is None:
-        directory = os.path.dirname(os.path.abspath(path))
-        compressed = path.lower().endswith(_COMPRESSED_SUFFIXES)
-        indexed = _fresh(path, path + ".fai") and (not compressed or _fresh(path, path + ".gzi"))
-        if os.access(directory, os.W_OK) or indexed:
-            return None, None
-        stat = os.stat(path)
-        key = hashlib.sha256(f"{os.path.abspath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-        index_dir = os.path.join(tempfile.gettempdir(), "megagenome-fai", key[:16])
-    os.makedirs(index_dir, exist_ok=True)
-    base = os.path.join(index_dir, os.path.basename(path))
-    return base + ".fai", base + ".gzi"
+
+def _cache_entry(path: str) -> str:
+    """The cache directory of this FASTA's index, keyed by its absolute path, size and mtime (an edited or replaced
+    file gets a new entry), created if needed: under cache_dir(), else under the system temp directory."""
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    tried = []
+    for root in (cache_dir(), os.path.join(tempfile.gettempdir(), f"megagenome-{os.getuid()}")):
+        entry = os.path.join(root, "fai", key)
+        try:
+            os.makedirs(entry, exist_ok=True)
+        except OSError as e:
+            tried.append(f"{entry}: {e.strerror}")
+            continue
+        if os.access(entry, os.W_OK):
+            return entry
+        tried.append(f"{entry}: not writable")
+    raise FastaError(f"{path}: no writable directory for its index ({'; '.join(tried)}); set MEGAGENOME_CACHE")
 
 
 @contextlib.contextmanager
 def _index_lock(fai: str):
-    """Serialise index building across the ranks of a node: every rank opens the same FASTA at start-up,
-    and without a lock two of them write the same .fai at once while a third reads it half-written."""
-    try:
-        handle = open(fai + ".lock", "a")  # noqa: SIM115 (held for the duration of the block)
-    except OSError:  # read-only directory: the index already exists there (see _index_paths)
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    """Serialise index building across the processes of a node: every rank opens the same FASTA at start-up. The
+    build is atomic anyway (a rename), so where the file system has no locks (NFS without lockd) it goes on without."""
+    with open(fai + ".lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK: every process builds its own copy and renames it; the copies are identical
+            yield
+            return
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _faidx(path: str, fai: str, gzi: str, build: bool) -> pyfaidx.Faidx:
+    """pyfaidx over these index names; with build=False it reads them and never writes a file."""
+    return pyfaidx.Faidx(
+        path,
+        indexname=fai,
+        gzi_indexname=gzi,
+        as_raw=True,
+        sequence_always_upper=False,
+        strict_bounds=True,
+        one_based_attributes=False,
+        build_index=build,
+        rebuild=build,
+    )
+
+
+def _build_index(path: str, directory: str) -> tuple[str, str]:
+    """The .fai (and .gzi) of `path` in `directory`, built under temporary names and renamed into place unless
+    already there: a process killed while building leaves no index that looks complete."""
+    base = os.path.join(directory, os.path.basename(path))
+    fai, gzi = base + ".fai", base + ".gzi"
+    with _index_lock(fai):
+        if _complete(path, fai, gzi):
+            return fai, gzi
+        suffix = f".tmp.{socket.gethostname()}.{os.getpid()}"
+        try:
+            _faidx(path, fai + suffix, gzi + suffix, build=True).close()
+            if os.path.exists(gzi + suffix):
+                os.replace(gzi + suffix, gzi)
+            os.replace(fai + suffix, fai)  # last: the .fai marks the index complete
+        finally:
+            for tmp in (fai + suffix, gzi + suffix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(tmp)
+    return fai, gzi
+
+
+def _open_index(path: str, index_dir: str | None) -> pyfaidx.Faidx:
+    """pyfaidx over an index that nothing writes beside the FASTA: an existing fresh index beside it (samtools
+    faidx's, say) is read as it is; otherwise the index is built in `index_dir`, or in the cache (cache_dir()).
+    So a run that fails validation, or reads a FASTA in a read-only directory, leaves the FASTA's folder as it was."""
+    if index_dir is None and _complete(path, path + ".fai", path + ".gzi"):
+        with contextlib.suppress(OSError, ValueError, pyfaidx.FastaIndexingError):  # unreadable: build our own
+            return _faidx(path, path + ".fai", path + ".gzi", build=False)
+    if index_dir is not None:
+        os.makedirs(index_dir, exist_ok=True)
+    fai, gzi = _build_index(path, index_dir or _cache_entry(path))
+    return _faidx(path, fai, gzi, build=False)
+
+
 class Genome:
     """A validated FASTA file with random access; coordinates are 0-based and half-open, case is kept.
 
-    Not safe to share across fork(): open one Genome per process.
+    Its index (.fai, and .gzi for BGZF) is read from beside the file when a fresh one is there, else built once in
+    `index_dir` or the per-user cache (cache_dir(), keyed by the file's path, size and mtime); the FASTA's own
+    directory is never written. Not safe to share across fork(): open one Genome per process.
     """
 
     def __init__(self, path: str, index_dir: str | None = None):
         path = os.fspath(path)
         validate_fasta(path)
         self.path = path
-        fai, gzi = _index_paths(path, index_dir)
         try:
-            with _index_lock(fai or path + ".fai"):
-                self._faidx = pyfaidx.Faidx(
-                    path,
-                    indexname=fai,
-                    gzi_indexname=gzi,
-                    as_raw=True,
-                    sequence_always_upper=False,
-                    strict_bounds=True,
-                    one_based_attributes=False,
-                )
+            self._faidx = _open_index(path, index_dir)
         except ImportError as e:
             # pyfaidx reads BGZF through Biopython's bgzf module and imports it only then.
             raise FastaError(f"{path}: reading BGZF needs Biopython (`pip install biopython`): {e}") from e
+        except FastaError:
+            raise
         except (OSError, ValueError, pyfaidx.FastaIndexingError) as e:
             raise FastaError(f"{path}: pyfaidx could not index the file: {e}") from e
         self.lengths: dict[str, int] = {name: rec.rlen for name, rec in self._faidx.index.items()}

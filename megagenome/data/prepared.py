@@ -9,6 +9,11 @@
     <dir>/shards/<unit>.json      the unit's index entry, written after its shard: its presence marks the shard
                                   complete (an interrupted prepare resumes from it)
 
+Each unit's entry records its shard's size ("bytes") and SHA-256 ("sha256"). Opening a directory for training
+(`read_index`) checks every shard against them: the size always, the SHA-256 where recorded (directories written
+before digests were recorded still open). Hashing runs at about 1 GB/s, so a 100 GB directory adds ~100 s to the
+start of every rank that opens it; a check that takes longer than CHECK_REPORT_S says so on stderr.
+
 A base's token and soft-mask flag share one byte so that a window is one slice of a memory map: reading a window
 is a memcpy plus two vectorised operations. Region contig names are qualified by the unit, "<unit>/<contig>", so
 the regions of all units live in one namespace (the sampler, the split record and evaluation need nothing else).
@@ -18,8 +23,11 @@ end with one SEP token between neighbours, which is what the sampler tiles into 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -34,6 +42,8 @@ INDEX_VERSION = 1
 SOFTMASK_BIT = np.uint8(0x80)
 TOKEN_BITS = np.uint8(0x7F)
 SPLITS = ("train", "val", "test")
+CHUNK = 8 << 20  # bytes read at a time when hashing
+CHECK_REPORT_S = 5.0  # a shard check slower than this is reported on stderr
 
 
 class PreparedDataError(ValueError):
@@ -58,8 +68,19 @@ def packed_name(unit: str, split: str) -> str:
     return qualified(unit, f"<packed-{split}>")
 
 
-def read_index(directory: str) -> dict:
-    """index.json of a prepared directory, checked for its version and complete shards."""
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file's bytes, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_index(directory: str, verify: bool = True) -> dict:
+    """index.json of a prepared directory, checked for its version and its shards: present, of the recorded size,
+    and (with `verify`, where the index records one) of the recorded SHA-256. Raises PreparedDataError naming the
+    directory or the file and what to do."""
     path = os.path.join(directory, INDEX)
     if not os.path.isdir(directory):
         raise PreparedDataError(f"--data.prepared={directory}: no such directory (write one with `megagenome prepare`)")
@@ -75,11 +96,43 @@ def read_index(directory: str) -> dict:
             f"{path}: version {index.get('version')} of the prepared layout; this megagenome reads version "
             f"{INDEX_VERSION}: prepare the data again"
         )
+    check_shards(directory, index, verify)
+    return index
+
+
+def check_shards(directory: str, index: dict, verify: bool = True) -> None:
+    """Raise PreparedDataError for the first shard that is missing, not of its recorded size or (with `verify`)
+    not of its recorded SHA-256: a shard altered after `megagenome prepare` must not be trained on."""
+    path = os.path.join(directory, INDEX)
+    rerun = "rerun `megagenome prepare` with the same manifest and --out (it rewrites only what changed)"
+    started, hashed = time.monotonic(), 0
     for unit in index["units"]:
         shard = os.path.join(directory, SHARDS, unit["shard"])
-        if not os.path.exists(shard) or os.path.getsize(shard) != unit["bytes"]:
-            raise PreparedDataError(f"{shard}: missing or not {unit['bytes']} bytes as {path} records")
-    return index
+        if not os.path.exists(shard):
+            raise PreparedDataError(f"{shard}: missing, but {path} lists it; {rerun}")
+        size = os.path.getsize(shard)
+        if size != unit["bytes"]:
+            raise PreparedDataError(
+                f"{shard}: {size} bytes, but {path} records {unit['bytes']}: the shard changed after "
+                f"`megagenome prepare`; {rerun}"
+            )
+        recorded = unit.get("sha256")
+        if verify and recorded:
+            actual = sha256_file(shard)
+            hashed += size
+            if actual != recorded:
+                raise PreparedDataError(
+                    f"{shard}: SHA-256 {actual[:12]}..., but {path} records {recorded[:12]}...: the shard changed "
+                    f"after `megagenome prepare`; {rerun}"
+                )
+    elapsed = time.monotonic() - started
+    if elapsed > CHECK_REPORT_S:
+        print(
+            f"--data.prepared={directory}: checked the SHA-256 of {len(index['units'])} shards "
+            f"({hashed / 1e9:.1f} GB) in {elapsed:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class _Packed:

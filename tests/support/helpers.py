@@ -20,7 +20,7 @@ BIN = pathlib.Path(PYTHON).parent
 
 
 def copy_genome(name: str, dest: pathlib.Path) -> str:
-    """Copy a bundled genome into dest (pyfaidx writes its index beside the FASTA)."""
+    """Copy a bundled genome into dest, so a test may alter or index its copy freely."""
     src = DATA / name if (DATA / name).exists() else REPO / "examples" / "data" / name
     dest.mkdir(parents=True, exist_ok=True)
     out = dest / name
