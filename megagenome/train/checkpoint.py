@@ -3,9 +3,11 @@ conversion to DeepSpeed's universal format.
 
 DeepSpeed writes the model, optimizer and scheduler state of a tag; this module adds what makes a
 checkpoint trustworthy for resuming: a COMPLETE marker written only after every rank has finished
-writing, per-rank RNG states, a client_state.json naming the parallel layout that wrote it, and deletion
-of old checkpoints only once a newer one is complete. A run killed mid-save therefore leaves the previous
-checkpoint as the newest complete one.
+writing, listing every file with its size and SHA-256 (train/integrity.py), per-rank RNG states, a
+client_state.json naming the parallel layout that wrote it, and deletion of old checkpoints only once a newer
+one is complete. A run killed mid-save therefore leaves the previous checkpoint as the newest complete one; a
+save that fails (a full disk) removes its partial directory and raises SaveError; a resume verifies the
+checkpoint against its manifest and falls back, with a warning, to the newest complete one that verifies.
 
 A checkpoint resumes as is only under the layout that wrote it (DeepSpeed cannot re-partition ZeRO state);
 `convert_to_universal` turns it into a universal checkpoint, which resumes under any data-parallel size and
@@ -23,9 +25,10 @@ import shutil
 import torch
 
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.train import universal  # a DeepSpeed seam: it imports deepspeed inside its functions
+from megagenome.train import integrity, universal  # universal: a DeepSpeed seam, deepspeed imported inside
+from megagenome.train.integrity import MARKER, SaveError, verify
+from megagenome.train.integrity import agree_on_resume as agree_on_resume  # re-exported: part of this interface
 
-MARKER = "COMPLETE"
 INFO = "client_state.json"  # step, samples_consumed, config_hash, format and the layout that wrote the checkpoint
 UNIVERSAL_ROOT = "checkpoints_universal"  # convert-checkpoint's default output, beside <run dir>/checkpoints
 _TAG = re.compile(r"^step_(\d+)$")
@@ -84,45 +87,148 @@ def resolve_resume(resume: str, root: str) -> str | None:
     return inner
 
 
-def save(
-    engine, root: str, step: int, client_state: dict, rank: int, keep_last: int, barrier, layout: dict | None = None
-) -> str:
-    """Save a checkpoint for `step` on every rank, then mark it complete and prune old ones (rank 0).
+def resolve_verified(resume: str, root: str, level: str = "digest") -> tuple[str | None, list[str]]:
+    """resolve_resume, with the checkpoint verified against its manifest (integrity.verify at `level`, "digest" or
+    "size"). Returns (the checkpoint directory or None, warnings to print).
 
-    layout (LAYOUT_KEYS) goes into client_state.json with the client state, so a resume under another layout
-    is refused before DeepSpeed is asked to load, and convert-checkpoint knows what it converts."""
+    auto (or a directory of checkpoints): the newest complete checkpoint that verifies; each damaged one skipped
+    is a warning naming its bad files and the checkpoint fallen back to. ValueError when none verifies. A
+    checkpoint named explicitly that fails: ValueError naming its files, no fallback. A checkpoint whose marker
+    has no manifest (written by an earlier version) is accepted, with a warning that it is unverifiable."""
+    path = resolve_resume(resume, root)
+    if path is None:
+        return None, []
+    explicit = resume not in ("auto", "none") and os.path.exists(os.path.join(os.path.abspath(resume), MARKER))
+    candidates = [path] if explicit else [p for _, p in reversed(complete_tags(os.path.dirname(path)))]
+    damaged = []
+    for candidate in candidates:
+        problems = verify(candidate, level)
+        if not problems:
+            return candidate, integrity.resume_warnings(damaged, candidate)
+        damaged.append((candidate, problems))
+    listing = " | ".join(f"{p}: {'; '.join(problems)}" for p, problems in damaged)
+    if explicit:
+        raise ValueError(
+            f"--checkpoint.resume={resume}: checkpoint {path} does not match the manifest in its {MARKER} marker "
+            f"({'; '.join(damaged[0][1])}). It was named explicitly, so nothing else is tried: restore these "
+            "files, or name another checkpoint (--checkpoint.resume auto takes the newest one that verifies)"
+        )
+    raise ValueError(
+        f"--checkpoint.resume={resume}: no complete checkpoint under {os.path.dirname(path)} matches its manifest "
+        f"({listing}). Restore the damaged files, or start afresh in a new --log.run_dir"
+    )
+
+
+def save(
+    engine, root: str, step: int, client_state: dict, rank: int, keep_last: int, barrier, layout=None, gather=None
+) -> str:
+    """Save a checkpoint for `step` on every rank, mark it complete with its manifest and prune old ones (rank 0).
+    Returns the tag directory.
+
+    layout (a dict of LAYOUT_KEYS) goes into client_state.json with the client state, so a resume under another
+    layout is refused before DeepSpeed is asked to load, and convert-checkpoint knows what it converts. gather is an
+    all_gather_object-style callable (train/engine.py all_gather_object) through which the ranks agree on the
+    space check and on failures and share the hashing; None: a world of one (with several ranks, only `barrier`
+    synchronises them, and a failure on one rank cannot reach the others).
+
+    Before writing, SaveError if the filesystem lacks room for a checkpoint the size of the last complete one.
+    A write that fails on any rank (ENOSPC, quota, I/O error) removes the partial tag directory, and only it, and
+    raises SaveError on every rank naming the path, the cause and the complete checkpoint that remains."""
     tag = tag_for(step)
     path = os.path.join(root, tag)
     if os.path.exists(os.path.join(path, MARKER)):
         return path  # already saved (e.g. a stop right after a periodic checkpoint)
-    engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
-    torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank:05d}.pt"))
-    barrier()
-    if rank == 0:
-        info = {**client_state, "format": "deepspeed", "layout": layout}
-        _write_json(os.path.join(path, INFO), info)
-        with open(os.path.join(path, MARKER), "w", encoding="utf-8") as fh:
-            fh.write(f"{step}\n")
-        for _, old in complete_tags(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
+    share = gather or _local_share(barrier)
+    short = integrity.space_shortfall(path, latest_complete(root)) if rank == 0 or gather is None else None
+    verdicts = share(short)
+    if any(verdicts):
+        raise SaveError(next(v for v in verdicts if v))
+    info = {**client_state, "format": "deepspeed", "layout": layout}
+    _agree_or_abandon(share(_write_tag(engine, root, tag, client_state, rank, info)), path, rank, barrier)
+    world = len(verdicts)
+    rels = integrity.list_files(path)
+    mine = integrity.hash_files(path, rels[rank::world], strict=False) if world > 1 or rank == 0 else {}
+    shares = share(mine)
+    failure = _mark_complete(path, step, rels, shares, root, keep_last) if rank == 0 else None
+    _agree_or_abandon(share(failure), path, rank, barrier)
     return path
+
+
+def _local_share(barrier):
+    """gather's stand-in for a world of one: synchronise through barrier, return [obj]."""
+
+    def share(obj):
+        barrier()
+        return [obj]
+
+    return share
+
+
+def _write_tag(engine, root: str, tag: str, client_state: dict, rank: int, info: dict) -> dict | None:
+    """This rank's files of the checkpoint: DeepSpeed's, the RNG state, and (rank 0) client_state.json. Returns
+    None, or the failure (integrity.write_failure) without raising, so the ranks can agree on it."""
+    path = os.path.join(root, tag)
+    errors: list[BaseException] = []
+    try:
+        with integrity.deferred_write_errors(engine, errors):
+            engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+        if not errors:
+            torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank:05d}.pt"))
+            if rank == 0:
+                _write_json(os.path.join(path, INFO), info)
+    except Exception as e:  # any failure is reported on every rank through the next gather
+        errors.append(e)
+    failure = integrity.write_failure(rank, errors[0], root) if errors else None
+    integrity.release(errors)  # closes the partial files now, so that removing them frees their space
+    return failure
+
+
+def _mark_complete(path: str, step: int, rels: list[str], shares: list[dict], root: str, keep_last: int):
+    """Rank 0: the manifest from every rank's hashes (what another rank missed hashed here), the COMPLETE marker,
+    then retention. Returns None, or the failure (integrity.write_failure)."""
+    try:
+        files: dict[str, dict] = {}
+        for part in shares:
+            files.update(part)
+        files.update(integrity.hash_files(path, [r for r in rels if r not in files]))
+        integrity.write_marker(path, step, files)
+    except Exception as e:  # the marker could not be written: the checkpoint is not complete
+        return integrity.write_failure(0, e, root)
+    for _, old in complete_tags(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return None
+
+
+def _agree_or_abandon(reports: list, path: str, rank: int, barrier) -> None:
+    """After every rank reported (None or a failure): if any failed, rank 0 removes the partial tag directory
+    `path` (only it), the ranks wait for that, and each raises the same SaveError."""
+    failures = [r for r in reports if r]
+    if not failures:
+        return
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    barrier()
+    raise SaveError(integrity.failure_message(path, failures, latest_complete(os.path.dirname(path))))
 
 
 def load(engine, path: str, rank: int, restore_rng: bool = True) -> dict:
     """Restore engine state and (with restore_rng) this rank's RNG state; return the client state saved with it.
 
-    Whether DeepSpeed reads `path` as a universal checkpoint is its config's checkpoint.load_universal."""
+    Whether DeepSpeed reads `path` as a universal checkpoint is its config's checkpoint.load_universal. A load
+    that fails raises ValueError naming `path` and the files that do not match its manifest."""
     root, tag = os.path.split(path.rstrip("/"))
-    loaded, client_state = engine.load_checkpoint(
-        root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
-    if loaded is None:
-        raise ValueError(f"DeepSpeed could not load the checkpoint in {path}")
-    universal.repair_universal_load(engine, path)
     rng_file = os.path.join(path, f"rng_rank{rank:05d}.pt")
-    if restore_rng and os.path.exists(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    try:
+        loaded, client_state = engine.load_checkpoint(
+            root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if loaded is None:
+            raise ValueError("DeepSpeed found nothing to load")
+        universal.repair_universal_load(engine, path)
+        if restore_rng and os.path.exists(rng_file):
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+    except Exception as e:
+        raise ValueError(integrity.load_failure(path, e)) from e
     return client_state or {}
 
 
@@ -309,8 +415,7 @@ def convert_to_universal(checkpoint: str, output: str | None = None, workers: in
         out_info = {k: v for k, v in info.items() if k not in ("format", "layout")}
         out_info.update({"format": "universal", "layout": layout, "converted_from": src})
         _write_json(os.path.join(staged, INFO), out_info)
-        with open(os.path.join(staged, MARKER), "w", encoding="utf-8") as fh:
-            fh.write(f"{tag_step(tag)}\n")
+        integrity.write_marker(staged, tag_step(tag), integrity.hash_files(staged, integrity.list_files(staged)))
         os.rename(staged, final)
     finally:
         shutil.rmtree(work, ignore_errors=True)
