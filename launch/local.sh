@@ -3,6 +3,12 @@
 #   bash launch/local.sh --config configs/tiny.yaml [--section.field value ...]
 # Uses every visible GPU; on a machine without one, NPROC CPU ranks (default 2) on the gloo backend.
 # Environment: NPROC (CPU ranks), MASTER_PORT (default 29500 + a hash of the run's arguments).
+#
+# DeepSpeed's launcher runs under `python -m megagenome.supervise` (this script's pid becomes the supervisor's):
+# SIGTERM, SIGINT (Ctrl-C) and SIGHUP to it stop every rank after the same step, with a checkpoint if it fits in
+# --checkpoint.grace_s, exit code 143 (130 for Ctrl-C); the checkpoint signal (SIGUSR1) checkpoints and exits 75; no
+# process of the launch outlives it; --train.max_restarts N restarts a failed run from its newest complete
+# checkpoint up to N times (<run dir>/restarts.jsonl). Exit codes: megagenome/train/stopping.py.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
@@ -13,4 +19,5 @@ else
   nproc=${NPROC:-2}
 fi
 port=${MASTER_PORT:-$((29500 + $(printf '%s' "$*" | cksum | cut -d' ' -f1) % 1000))}
-exec deepspeed --num_gpus "$nproc" --master_port "$port" --module megagenome pretrain "$@"
+exec python -m megagenome.supervise -- \
+  deepspeed --num_gpus "$nproc" --master_port "$port" --module megagenome pretrain "$@"

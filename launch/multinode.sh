@@ -34,6 +34,13 @@
 # the first host's address (`ssh HOST hostname -I`) run plain `ssh`: keep host aliases in ~/.ssh/config, or pass
 # --no_ssh_check --master_addr ADDR. Interrupting the launcher makes DeepSpeed run `pkill -f "<python> -u -m
 # deepspeed.launcher.launch"` on every host: on a shared node that stops other users' DeepSpeed launches too.
+#
+# Signals: DeepSpeed's runner runs under `python -m megagenome.supervise`. The ranks run on the hosts through ssh,
+# not under this shell, so SIGTERM/SIGINT/SIGHUP here reach DeepSpeed's runner, whose multi-node handler stops
+# pdsh and runs the pkill above; each host's launch.py then sends SIGTERM to its ranks, which stop after the same
+# step with a checkpoint if it fits (launch.py SIGKILLs them 30 s later: keep --checkpoint.grace_s under that), and a
+# rank whose launcher is gone stops by itself. --train.max_restarts N restarts a failed run up to N times from its
+# newest complete checkpoint (<run dir>/restarts.jsonl). Exit codes: megagenome/train/stopping.py.
 set -euo pipefail
 prog=multinode.sh
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -51,4 +58,4 @@ cmd=(deepspeed --hostfile "$hostfile" --master_port "$master_port")
 [ "$no_ssh_check" = 1 ] && cmd+=(--no_ssh_check)
 cmd+=(--module megagenome pretrain "${pretrain_args[@]}")
 echo "$prog: ${cmd[*]}" >&2
-exec "${cmd[@]}"
+exec python -m megagenome.supervise -- "${cmd[@]}"

@@ -23,9 +23,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megagenome import resume_checks
 from megagenome.config import ConfigError, RootConfig, config_hash
 from megagenome.config import validate as validate_config
 from megagenome.config.load import load_config, locate
+from megagenome.data import fingerprint as data_fingerprint
 from megagenome.data.dataset import GenomeData, build_genome_data, build_prepared_data
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import DNATransformer
@@ -51,6 +53,8 @@ class Validated:
     ds_json: dict  # the merged fragments of --train.ds_config, before the run config's keys are added
     data: GenomeData | None  # None when validated without data (data=False)
     resume_from: str | None
+    resume: resume_checks.Resume | None = None  # what resuming found: warnings, data changes, a resize to convert
+    data_fingerprint: dict | None = None  # data/fingerprint.py, of the training data (data=True)
 
 
 def validate(
@@ -74,13 +78,24 @@ def validate(
     if data and layout is not None and not any(p.startswith("--data.") for p in problems):
         genome, data_problems = _data(cfg, layout)
         problems += data_problems
-    resume_from, resume_problems = _resume_target(cfg, layout)
-    problems += resume_problems
+    fingerprint = _fingerprint(cfg, problems) if data and genome is not None else None
+    resume = resume_checks.resolve(cfg, layout, checkpoint_root(cfg), fingerprint)
+    problems += resume.problems
     if problems:
         if genome is not None:
             genome.close()
         raise ConfigError(problems)
-    return Validated(cfg, layout, layout.batch(cfg.train), ds_json, genome, resume_from)
+    cfg = resume.cfg  # a data-parallel resize adjusts the accumulation (resume_checks.py)
+    return Validated(cfg, layout, layout.batch(cfg.train), ds_json, genome, resume.path, resume, fingerprint)
+
+
+def _fingerprint(cfg: RootConfig, problems: list[str]) -> dict | None:
+    """The training data's identity (data/fingerprint.py), recorded in every checkpoint and compared on resume."""
+    try:
+        return data_fingerprint.data_fingerprint(cfg.data)
+    except (OSError, ValueError) as e:
+        problems.append(str(e))
+        return None
 
 
 def _ds_json(cfg: RootConfig, config_files: list[str], runtime: bool) -> tuple[dict, list[str]]:
@@ -123,42 +138,6 @@ def _data(cfg: RootConfig, layout: ParallelLayout) -> tuple[GenomeData | None, l
         return build_genome_data(cfg.data, cfg.model.objective), []
     except (ValueError, OSError) as e:
         return None, [str(e)]
-
-
-def _resume_target(cfg: RootConfig, layout: ParallelLayout | None) -> tuple[str | None, list[str]]:
-    """The checkpoint --checkpoint.resume names, and why this layout cannot resume it."""
-    try:
-        path = checkpoint.resolve_resume(cfg.checkpoint.resume, checkpoint_root(cfg))
-    except ValueError as e:
-        return None, [str(e)]
-    if path is None:
-        if cfg.checkpoint.universal:
-            return None, [
-                f"--checkpoint.universal true but --checkpoint.resume={cfg.checkpoint.resume} names no checkpoint "
-                "to load: give the converted checkpoint's directory (<run dir>/checkpoints_universal by default)"
-            ]
-        return None, []
-    if layout is None:
-        return path, []
-    batch = layout.batch(cfg.train)
-    problems = checkpoint.resume_problems(path, layout.record(), cfg.checkpoint.universal, batch.global_batch)
-    if cfg.data.group_aware:
-        info = checkpoint.read_info(path)
-        saved_dp = (info.get("layout") or {}).get("data_parallel", layout.data_parallel)
-        if saved_dp != layout.data_parallel:
-            problems.append(
-                f"--data.group_aware: checkpoint {path} was trained with {saved_dp} data-parallel ranks, this "
-                f"run has {layout.data_parallel}; groups are assigned to ranks by their number, so resume with "
-                f"{saved_dp}"
-            )
-        saved_micro = info.get("micro_batch", batch.micro)
-        if saved_micro != batch.micro:
-            problems.append(
-                f"--data.group_aware: checkpoint {path} was trained with --train.micro_batch_size={saved_micro}, "
-                f"this run has {batch.micro}; group-aware samples go to ranks in blocks of one micro batch, so keep "
-                f"{saved_micro}"
-            )
-    return path, problems
 
 
 def checkpoint_root(cfg: RootConfig) -> str:
@@ -204,6 +183,7 @@ class Run:
     sp_loss_factor: int  # chunk losses are scaled by this under sequence parallelism (engine.py)
     dense_parameters: int  # of the whole model, tied weights once: what the FLOP counts use
     block_parameters: int  # of one dense block, for the hardware FLOPs of recomputation
+    data_fingerprint: dict | None = None  # of the training data (data/fingerprint.py), recorded in checkpoints
 
     @property
     def rank_parameters(self) -> int:
@@ -248,7 +228,10 @@ def assemble(validated: Validated, ranks: Ranks) -> Run:
     torch.manual_seed(cfg.train.seed + 1000 * (ranks.rank // layout.tensor))
     total, block = dense_parameters(cfg.model, VOCAB_SIZE)
     factor = ds.sequence_parallel_grad_factor(ds_conf, layout.sequence)
-    return Run(cfg, layout, validated.batch, ranks, ds_conf, model, engine, checkpoint_fn, factor, total, block)
+    fingerprint = validated.data_fingerprint
+    return Run(
+        cfg, layout, validated.batch, ranks, ds_conf, model, engine, checkpoint_fn, factor, total, block, fingerprint
+    )
 
 
 def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[DNATransformer, object]:
@@ -349,7 +332,8 @@ def from_run_dir(run_dir: str, step: int | None = None, data: bool = True) -> tu
     path = checkpoint.latest_complete(root) if step is None else os.path.join(root, checkpoint.tag_for(step))
     if path is None or not os.path.exists(os.path.join(path, checkpoint.MARKER)):
         raise ValueError(f"{run_dir}: no complete checkpoint{'' if step is None else f' of step {step}'} to load")
-    resume = replace(cfg.checkpoint, resume=path, universal=False)  # the run's own checkpoints: its own layout
+    # The run's own checkpoints, loaded as they are (its own layout; convert-checkpoint converts).
+    resume = replace(cfg.checkpoint, resume=path, universal=False, convert_on_resize=False)
     cfg = replace(cfg, log=replace(cfg.log, run_dir=run_dir), checkpoint=resume)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validated = validate(cfg, [], world_size, data=data)

@@ -264,9 +264,11 @@ class MetricsWriter:
         self.enabled = enabled
         self.sinks = list(sinks) if enabled else []
 
-    def truncate_after(self, step: int) -> None:
-        """Drop rows past `step` (used on resume so the file matches the restored state)."""
-        for sink in self.sinks:
+    def truncate_after(self, step: int, sinks: bool = True) -> None:
+        """Drop rows past `step` (used on resume so the file matches the restored state). sinks=False leaves the
+        dashboards as they are: a rollback mid-run (train/divergence.py), where TensorBoard cannot purge an open
+        event file; its plots keep the rolled-back steps' points, which the event rows of metrics.jsonl explain."""
+        for sink in self.sinks if sinks else ():
             sink.truncate_after(step)
         if not self.enabled or not os.path.exists(self.path):
             return
@@ -278,10 +280,13 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def write(self, row: dict) -> None:
+        """Append `row`; inf and NaN values are written as null and their keys listed under "nonfinite", so every
+        line stays JSON (json.dumps would write Infinity and NaN, which JSON has not)."""
         if not self.enabled:
             return
+        row = finite_row(row)
         with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row) + "\n")
+            fh.write(json.dumps(row, allow_nan=False) + "\n")
         for sink in self.sinks:
             sink.write(row)
 
@@ -289,6 +294,14 @@ class MetricsWriter:
         """Close the sinks (flushes their files); the writer itself keeps no file open."""
         for sink in self.sinks:
             sink.close()
+
+
+def finite_row(row: dict) -> dict:
+    """`row` with every non-finite float replaced by None, and "nonfinite": [their keys] when there were any."""
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return row
+    return {**{k: (None if k in bad else v) for k, v in row.items()}, "nonfinite": bad}
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -19,12 +19,13 @@ import os
 import shlex
 import socket
 import time
+from dataclasses import replace
 
 import torch
 
-from megagenome import assembly, dashboards, summary
+from megagenome import assembly, dashboards, resume_checks, summary
 from megagenome.assembly import Run, Validated
-from megagenome.config import RootConfig, config_hash, d_ff, signal_number, to_dict
+from megagenome.config import ConfigError, RootConfig, config_hash, d_ff, resume_record, signal_number, to_dict
 from megagenome.data.dataset import GenomeData
 from megagenome.data.sampler import batch_indices
 from megagenome.metrics import (
@@ -37,8 +38,10 @@ from megagenome.metrics import (
 from megagenome.parallel import pipeline, tensor_parallel
 from megagenome.parallel.sequence import shard_batch
 from megagenome.record import env_record, write_json, write_yaml
+from megagenome.run_lock import RunLock, RunLocked
 from megagenome.train import checkpoint, ds_config, loop
 from megagenome.train import engine as ds
+from megagenome.train.divergence import Guard, guard_optimizer
 from megagenome.train.loop import LoopPlan, StopRequest, TokenCounter, TrainingStopped, fit
 from megagenome.train.memory import memory_probe
 from megagenome.train.watchdog import Watchdog
@@ -67,20 +70,23 @@ def run(cfg: RootConfig, config_files: list[str], keep_process_group: bool = Fal
     """Validate, assemble, train, evaluate and summarise. Returns the summary dict (rank 0).
 
     keep_process_group leaves the process group up for another run in the same processes (tests and
-    benchmarks that run many short configurations); the CLI always tears it down. The checkpoint signal is
-    watched from here on: one that arrives during start-up (data indexing, engine build, loading a checkpoint)
-    stops the run after its first step, with a checkpoint, instead of being lost.
+    benchmarks that run many short configurations); the CLI always tears it down. The checkpoint signal, SIGTERM,
+    SIGINT and (under a launcher) the launcher's death are watched from here on (train/stopping.py): one that
+    arrives during start-up (data indexing, engine build, loading a checkpoint) stops the run after its first
+    step instead of being lost, and --checkpoint.grace_s after a SIGTERM/SIGINT the rank exits whatever it is doing.
     """
-    stop = StopRequest(cfg.checkpoint.signal) if _watchable(cfg.checkpoint.signal) else None
+    name = cfg.checkpoint.signal if _watchable(cfg.checkpoint.signal) else None
+    launched = "LOCAL_RANK" in os.environ  # DeepSpeed's launcher, torchrun or the Slurm per-rank template
+    stop = StopRequest(name, cfg.checkpoint.grace_s, terminate=True, watch_launcher=launched)
     try:
         return _run(cfg, config_files, keep_process_group, stop)
     finally:
-        if stop is not None:
-            stop.close()
+        stop.close()
 
 
 def _watchable(name: str | None) -> bool:
-    """Whether --checkpoint.signal names a signal that can be watched (config validation reports it otherwise)."""
+    """Whether --checkpoint.signal names a signal that can be watched (config validation reports a bad name before
+    anything starts; until then the run watches SIGTERM and SIGINT only)."""
     try:
         return signal_number(name) is not None
     except ValueError:
@@ -90,26 +96,77 @@ def _watchable(name: str | None) -> bool:
 def _run(cfg: RootConfig, config_files: list[str], keep_process_group: bool, stop: StopRequest | None) -> dict:
     started = time.time()
     validated = assembly.validate(cfg, config_files, int(os.environ.get("WORLD_SIZE", "1")))
-    data = validated.data
+    cfg, data, lock = validated.cfg, validated.data, None  # cfg: a data-parallel resize adjusts the accumulation
     try:
-        run = assembly.assemble(validated, assembly.start_ranks(cfg, validated.layout))
+        ranks = assembly.start_ranks(cfg, validated.layout)
+        lock = _lock_run_dir(cfg, ranks.rank)
+        validated = _agree_on_resume(validated, ranks.rank)
+        run = assembly.assemble(validated, ranks)
         _write_records(run, data)
         peak = _peak(run)
-        start_step, writer = _resume(run, validated)
-        result = _fit(run, data, _loop_plan(run, start_step, peak), writer, stop)
+        start_step, writer, resumed = _resume(run, validated)
+        result = _fit(run, data, _loop_plan(run, start_step, peak), writer, stop, resumed)
         if cfg.data.prepared:
             _write_groups(run, data)
         out = {}
         if run.ranks.rank == 0:
             metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
+            result["data_changes"] = validated.resume.data_changes if validated.resume else []
             out = summary.summarise(cfg, data, metrics, result, run.dense_parameters, time.time() - started)
     except TrainingStopped:  # every rank stopped after the same step, its checkpoint saved: tear down as at the end
         data.close()
         _tear_down(keep_process_group)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     data.close()
     _tear_down(keep_process_group)
     return out
+
+
+def _lock_run_dir(cfg: RootConfig, rank: int):
+    """Rank 0 takes the run directory's lock (run_lock.py) for the run's life, before anything is written; a run
+    already holding it is reported on every rank as a refused config (exit 2). Returns the lock (rank 0) or None."""
+    lock, message = None, None
+    if rank == 0:
+        try:
+            lock = RunLock(cfg.log.run_dir)
+            took_over = lock.acquire()
+            if took_over:
+                print(f"megagenome: {took_over}", flush=True)
+        except RunLocked as e:
+            lock, message = None, str(e)
+    message = ds.broadcast_object(message)
+    if message is not None:
+        raise ConfigError([message])
+    return lock
+
+
+def _agree_on_resume(validated: Validated, rank: int) -> Validated:
+    """Every rank resumes from the same checkpoint (train/checkpoint.py agree_on_resume: ranks that verified
+    different ones take the oldest); a data-parallel resize converts it to the universal format first (rank 0, into
+    <run dir>/checkpoints_universal; a conversion left by an earlier attempt is reused). Rank 0 prints the
+    warnings resuming found (a bad checkpoint skipped, an allowed data change, the conversion)."""
+    resume = validated.resume
+    path = checkpoint.agree_on_resume(validated.resume_from, ds.all_gather_object)
+    if rank == 0:
+        for warning in resume.warnings if resume else []:
+            print(f"megagenome: warning: {warning}", flush=True)
+        if path != validated.resume_from:
+            print(f"megagenome: warning: ranks verified different checkpoints; all resume from {path}", flush=True)
+    if path is not None and resume is not None and resume.convert:
+        target, error = resume_checks.converted_path(path), None
+        if rank == 0 and not os.path.exists(os.path.join(target, checkpoint.MARKER)):
+            try:
+                checkpoint.convert_to_universal(path)
+            except (ValueError, RuntimeError, OSError) as e:
+                error = f"converting {path} for the new data-parallel size failed: {e}"
+        error = ds.broadcast_object(error)
+        if error is not None:
+            raise ConfigError([error])
+        path = target
+    return replace(validated, resume_from=path)
 
 
 def _tear_down(keep_process_group: bool) -> None:
@@ -139,32 +196,42 @@ def _write_records(run: Run, data: GenomeData) -> None:
     ds.barrier()
 
 
-def _resume(run: Run, validated: Validated) -> tuple[int, MetricsWriter]:
+def _resume(run: Run, validated: Validated) -> tuple[int, MetricsWriter, dict]:
     """The resume stage: load --checkpoint.resume's checkpoint if there is one; the metrics writer, its rows after
-    the resumed step dropped. Returns (the step training starts after, the writer)."""
+    the resumed step dropped. Returns (the step training starts after, the writer, the checkpoint's client state:
+    {} for a fresh start)."""
     cfg, rank = run.cfg, run.ranks.rank
     sinks = dashboards.for_run(cfg.log, to_dict(cfg), rank)  # TensorBoard, W&B: every row, closed by _fit
     writer = MetricsWriter(os.path.join(cfg.log.run_dir, "metrics.jsonl"), enabled=rank == 0, sinks=sinks)
     path = validated.resume_from
     if path is None:
-        return 0, writer
+        return 0, writer, {}
     same = checkpoint.rng_applies(path, run.layout.record())  # per-rank RNG states: only the same layout's
-    start_step = int(assembly.load(run, path, restore_rng=same)["step"])
+    client = assembly.load(run, path, restore_rng=same)
+    start_step = int(client["step"])
     if not same:  # fresh dropout streams, distinct from those of steps 1..start_step and per data-parallel rank
         torch.manual_seed(cfg.train.seed + 1000 * (rank // run.layout.tensor) + 1_000_003 * start_step)
     writer.truncate_after(start_step)
+    ds.barrier()  # every rank has loaded it before the run says so
     if rank == 0:
         print(f"megagenome: resumed from {path} at step {start_step}", flush=True)
-    return start_step, writer
+    return start_step, writer, client
 
 
-def _fit(run: Run, data: GenomeData, plan: LoopPlan, writer: MetricsWriter, stop: StopRequest | None) -> dict:
-    """The fit stage: batches, the step function, evaluation, checkpoints and the hang watchdog around the loop."""
+def _fit(
+    run: Run, data: GenomeData, plan: LoopPlan, writer: MetricsWriter, stop: StopRequest | None, resumed: dict
+) -> dict:
+    """The fit stage: batches, the step function, evaluation, checkpoints, the divergence guard and the hang
+    watchdog around the loop. resumed: the client state of the checkpoint resumed from. Every checkpoint records
+    the data offset (steps of data rollbacks skipped: step s trains on the batches of data step s + offset) and the
+    spike detector's window, so that a resumed run continues exactly."""
     cfg, layout, state, b = run.cfg, run.layout, run.ranks.state, run.batch
     dp_rank, sp_rank = state.get_data_parallel_rank(), state.get_sequence_parallel_rank()
+    cursor = {"offset": int(resumed.get("data_offset", 0))}
 
     def sharded_batch(step: int, micro_step: int) -> dict:
-        indices = batch_indices(step * b.global_batch, micro_step, dp_rank, layout.data_parallel, b.micro)
+        first = (step + cursor["offset"]) * b.global_batch
+        indices = batch_indices(first, micro_step, dp_rank, layout.data_parallel, b.micro)
         return shard_batch(data.train_batch(indices), sp_rank, layout.sequence, run.sp_loss_factor)
 
     tokens = TokenCounter(sharded_batch)  # counts real (loss-carrying) tokens for the metrics rows
@@ -174,19 +241,23 @@ def _fit(run: Run, data: GenomeData, plan: LoopPlan, writer: MetricsWriter, stop
         with watchdog.paused():
             return assembly.evaluate_heldout(run, data)
 
-    def save(step: int) -> None:
-        client = {"step": step, "samples_consumed": step * b.global_batch, "config_hash": config_hash(cfg)}
-        client.update(world_size=run.ranks.world_size, micro_batch=b.micro)  # group-aware: micro-batch blocks
-        with watchdog.paused():
-            root = assembly.checkpoint_root(cfg)
-            checkpoint.save(
-                run.engine, root, step, client, run.ranks.rank, cfg.checkpoint.keep_last, ds.barrier, layout.record()
-            )
+    guard = Guard(cfg.train, ds.all_reduce_sum, plan.loss_shards / plan.world_size, run.engine.fp16_enabled())
+    guard.restore(resumed.get("spike_window"))
+    guard_optimizer(run.engine)
 
-    step_fn = train_step(run, tokens, run.to_device, plan)
+    def save(step: int) -> None:
+        with watchdog.paused():
+            _save(run, step, cursor["offset"], list(guard.window))
+
+    def rollback(bad_step: int) -> int | None:
+        with watchdog.paused():
+            return _rollback(run, bad_step, cursor, guard)
+
+    before_update = guard.before_update if cfg.train.spike_sigmas > 0 and layout.pipeline == 1 else None
+    step_fn = train_step(run, tokens, run.to_device, plan, before_update)
     watchdog.start()
     try:
-        return fit(
+        result = fit(
             run.engine,
             plan,
             watchdog.wrap(step_fn),
@@ -197,13 +268,47 @@ def _fit(run: Run, data: GenomeData, plan: LoopPlan, writer: MetricsWriter, stop
             cfg.log.progress,
             tokens,
             stop,
+            guard,
+            rollback,
         )
+        return {**result, "divergence": guard.summary()}
     finally:
         watchdog.stop()
         writer.close()  # flushes TensorBoard and finishes the W&B run, also on failure
 
 
-def train_step(run: Run, tokens: TokenCounter, to_device, plan: LoopPlan):
+def _save(run: Run, step: int, offset: int, spike_window: list[float]) -> None:
+    """A checkpoint of `step` (train/checkpoint.py save: verified, on every rank) with the client state a resume
+    needs: the step and samples consumed, the layout and micro batch, the config keys and data fingerprint it is
+    checked against (resume_checks.py), the data offset and the spike detector's window (train/divergence.py)."""
+    cfg, b = run.cfg, run.batch
+    client = {"step": step, "samples_consumed": step * b.global_batch, "config_hash": config_hash(cfg)}
+    client.update(world_size=run.ranks.world_size, micro_batch=b.micro)  # group-aware: micro-batch blocks
+    client.update(run_config=resume_record(cfg), data=run.data_fingerprint)
+    client.update(data_offset=offset, spike_window=spike_window)
+    root = assembly.checkpoint_root(cfg)
+    keep, layout = cfg.checkpoint.keep_last, run.layout.record()
+    try:
+        checkpoint.save(run.engine, root, step, client, run.ranks.rank, keep, ds.barrier, layout, ds.all_gather_object)
+    except checkpoint.SaveError as e:  # every rank raises it: the partial step removed, older ones intact
+        raise TrainingStopped(str(e)) from e
+
+
+def _rollback(run: Run, bad_step: int, cursor: dict, guard: Guard) -> int | None:
+    """Reload the newest complete checkpoint (every rank) and move the data cursor past the batches of the steps
+    since it; returns its step, or None when there is none yet (train/divergence.py)."""
+    path = checkpoint.latest_complete(assembly.checkpoint_root(run.cfg))
+    if path is None:
+        return None
+    client = assembly.load(run, path, restore_rng=checkpoint.rng_applies(path, run.layout.record()))
+    back_to = int(client["step"])
+    # Loop steps back_to+1..bad_step drew the data steps from back_to+1+offset on; the next one starts past them.
+    cursor["offset"] += bad_step - back_to
+    guard.restore(client.get("spike_window"))
+    return back_to
+
+
+def train_step(run: Run, tokens: TokenCounter, to_device, plan: LoopPlan, before_update=None):
     """The StepFn of this run (train/loop.py): DeepSpeed's pipeline schedule with pipeline stages, else forward,
     backward and step per micro batch. It measures the gradient norm where DeepSpeed records none, and memory.json
     at the second step of this invocation (the only one if it has one), once optimizer states exist, between
@@ -220,8 +325,11 @@ def train_step(run: Run, tokens: TokenCounter, to_device, plan: LoopPlan):
     probe = memory_probe(
         engine, memory_path, at, run.ranks.rank, run.rank_parameters, layout.data_parallel, run.ds_config
     )
-    make = pipeline.train_step if layout.pipeline > 1 else loop.forward_backward_step
-    return make(engine, tokens, to_device, run.batch.grad_accum, grad_norm=norm, on_gradients=probe)
+    if layout.pipeline > 1:
+        return pipeline.train_step(engine, tokens, to_device, run.batch.grad_accum, grad_norm=norm, on_gradients=probe)
+    return loop.forward_backward_step(
+        engine, tokens, to_device, run.batch.grad_accum, norm, probe, before_update=before_update
+    )
 
 
 def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:

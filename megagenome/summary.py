@@ -58,10 +58,22 @@ def summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict
         "real_token_fraction": sum(real) / padded if padded and real and None not in real else None,
         "mem_peak_bytes_max": max((r.get("mem_peak_bytes_max") or 0 for r in train_rows), default=None),
         "wall_s": wall_s,
+        # train/divergence.py: the run's bad steps (every invocation's event rows) and what was done about them
+        "bad_steps": _bad_steps([r for r in rows if r.get("split") == "event"]),
+        "data_changes": result.get("data_changes") or [],  # resumed with --checkpoint.allow_data_change
     }
     write_json(os.path.join(cfg.log.run_dir, "summary.json"), summary)
     print_summary(summary)
     return summary
+
+
+def _bad_steps(events: list[dict]) -> dict:
+    """Counts of the event rows by what was done (skip, rollback, stop) and by reason (nonfinite, spike)."""
+    out = {"total": len(events)}
+    for key in ("event", "reason"):
+        for row in events:
+            out[row.get(key)] = out.get(row.get(key), 0) + 1
+    return out
 
 
 def print_summary(s: dict) -> None:
@@ -91,4 +103,10 @@ def print_summary(s: dict) -> None:
         print(f"real tokens        {100 * s['real_token_fraction']:.2f}% of positions carry loss", file=out)
     if s.get("mem_peak_bytes_max"):
         print(f"peak memory        {s['mem_peak_bytes_max'] / 2**30:.2f} GiB (largest rank)", file=out)
+    bad = s.get("bad_steps") or {}
+    if bad.get("total"):
+        done = ", ".join(f"{bad[a]} {a}" for a in ("skip", "rollback", "stop") if bad.get(a))
+        print(f"bad steps          {bad['total']} ({done}; metrics.jsonl rows with split 'event')", file=out)
+    if s.get("data_changes"):
+        print(f"data changed       {len(s['data_changes'])} difference(s), allowed on resume", file=out)
     print(f"wall time          {s['wall_s']:.1f} s", file=out, flush=True)

@@ -19,6 +19,7 @@ LAYERS = {
     "metrics": 1,
     "dashboards": 1,
     "record": 1,
+    "run_lock": 1,
     "cluster": 1,
     "data": 1,
     "model": 1,
@@ -28,7 +29,9 @@ LAYERS = {
     "parallel/pipeline": 2,
     "train/loop": 3,
     "train/checkpoint": 3,
+    "train/divergence": 3,
     "train/consolidate": 3,
+    "train/stopping": 3,
     "inference": 4,
     "evaluate": 4,
     "variant_scoring": 4,
@@ -37,6 +40,7 @@ LAYERS = {
     "quantize": 4,
     "report": 4,
     "assembly": 4,
+    "resume_checks": 4,
     "pretrain": 4,
     "prepare": 4,
     "preflight": 4,
@@ -47,6 +51,7 @@ LAYERS = {
     "cluster/commands": 4,
     "cli": 5,
     "cli_after": 5,
+    "supervise": 5,
     "__main__": 5,
 }
 # What each L1 package may import of the other L1 packages (the config layer is open to all): datasets import no
@@ -59,6 +64,7 @@ L1_ALLOWED = {
     "metrics": {"metrics"},
     "dashboards": {"dashboards"},
     "record": {"record"},
+    "run_lock": {"run_lock"},
     "cluster": {"cluster", "record"},
 }
 SEAMS = {

@@ -28,6 +28,17 @@
 # action would kill them and end the step under the ranks while they save). Once srun returns, the batch shell runs
 # `scontrol requeue`; the requeued job starts the same script again and `--checkpoint.resume auto` continues from the
 # newest complete checkpoint.
+#
+# Stop without requeue. SIGTERM or SIGINT to the batch shell (`scancel --signal=TERM --batch JOBID`, an orchestrator)
+# is forwarded the same way; when Slurm ends a job (scancel, the time limit, preemption) it sends SIGTERM to every
+# process of every step itself, then SIGKILL after KillWait (30 s by default). Either way the ranks stop after the same
+# step, save it if that fits in --checkpoint.grace_s (set it below KillWait), and the job exits with 143 (130).
+# In the per-node mode DeepSpeed's launcher runs under `python -m megagenome.supervise`, which passes the signals it
+# gets on to the ranks only.
+#
+# Restarts. With --train.max_restarts N, a step that fails (any exit code but 0, 2, 3, 4, 75, 130, 143, and no signal
+# came) is run again with `--checkpoint.resume auto`, up to N times in the same allocation; each restart is logged
+# on stderr and in <run dir>/restarts.jsonl.
 
 MG_PREEMPTED_EXIT=75 # megagenome/train/loop.py PREEMPTED_EXIT: stopped by the checkpoint signal, checkpoint saved
 
@@ -137,7 +148,10 @@ mg_node_task() {
   trap '' "$MG_SIGNAL"
   local wrapper=()
   read -r -a wrapper <<<"${MEGAGENOME_WRAPPER:-}"
-  exec "${wrapper[@]}" "$MG_PYTHON" -u -m deepspeed.launcher.runner --no_ssh --node_rank "$SLURM_NODEID" \
+  # Under megagenome.supervise (no restarts of its own: mg_run restarts the whole step): SIGTERM/SIGINT and the
+  # checkpoint signal that reach it go to the ranks only, so DeepSpeed's launch.py does not SIGKILL them 30 s later.
+  exec "${wrapper[@]}" "$MG_PYTHON" -m megagenome.supervise --max_restarts 0 -- \
+    "$MG_PYTHON" -u -m deepspeed.launcher.runner --no_ssh --node_rank "$SLURM_NODEID" \
     --hostfile "$hostfile" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     --enable_each_rank_log "$MG_LOG_DIR/run$MG_RUN" --module megagenome pretrain "$@"
 }
@@ -153,32 +167,39 @@ mg_rank_task() {
   exec "${wrapper[@]}" "$MG_PYTHON" -u -m megagenome pretrain "$@"
 }
 
-# mg_run SRUN_OPTIONS... -- TASK_FUNCTION TASK_ARGS...: run the step, forward the checkpoint signal to it, and when
-# the ranks stopped for it, requeue the job. Exits with the step's exit code (75 after a requeue).
+# mg_run SRUN_OPTIONS... -- TASK_FUNCTION TASK_ARGS...: run the step, forward the checkpoint signal and SIGTERM /
+# SIGINT to it, restart it after a failure (--train.max_restarts), and when the ranks stopped for the checkpoint
+# signal, requeue the job. The pretrain arguments come last in TASK_ARGS. Exits with the step's exit code (75 after
+# a requeue; train/stopping.py lists them).
 mg_run() {
-  local srun_opts=()
+  local srun_opts=() rc attempt=0 max_restarts
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do
     srun_opts+=("$1")
     shift
   done
   shift
   mg_signalled=0
+  mg_stopped=0
   mg_srun_pid=
-  trap _mg_forward "$MG_SIGNAL"
-  # --kill-on-bad-exit: a rank that fails takes the others down instead of leaving them blocked in a collective.
-  # shellcheck disable=SC2016 # expanded by the task's bash
-  srun --kill-on-bad-exit=1 "${srun_opts[@]}" \
-    bash -c 'source "$1"; shift; "$@"' mg "${BASH_SOURCE[0]}" "$@" &
-  mg_srun_pid=$!
-  local rc
+  # shellcheck disable=SC2086 # MEGAGENOME_WRAPPER is a command with its arguments
+  max_restarts=$($MEGAGENOME_WRAPPER "$MG_PYTHON" -m megagenome.supervise --print_max_restarts -- pretrain \
+    "${pretrain_args[@]}") || max_restarts=0
+  trap '_mg_forward "$MG_SIGNAL"' "$MG_SIGNAL"
+  trap '_mg_forward TERM' TERM
+  trap '_mg_forward INT' INT
   while true; do
-    rc=0
-    wait "$mg_srun_pid" || rc=$?
-    # A trapped signal interrupts `wait` (status > 128) while srun runs on: wait again.
-    if [ "$rc" -gt 128 ] && kill -0 "$mg_srun_pid" 2>/dev/null; then continue; fi
-    break
+    _mg_step "${srun_opts[@]}" -- "$@"
+    rc=$mg_rc
+    # Restart a failure (not a refused config, a stopped run, a divergence, a finished run or a stop asked for).
+    if [ "$mg_signalled" -eq 1 ] || [ "$mg_stopped" -eq 1 ] || [ "$attempt" -ge "$max_restarts" ]; then break; fi
+    case "$rc" in 0 | 2 | 3 | 4 | 75 | 130 | 143) break ;; esac  # megagenome/supervise.py NO_RESTART
+    attempt=$((attempt + 1))
+    # shellcheck disable=SC2086
+    $MEGAGENOME_WRAPPER "$MG_PYTHON" -m megagenome.supervise --log_restart "$attempt" "$rc" -- pretrain \
+      "${pretrain_args[@]}" --checkpoint.resume auto || true
+    set -- "$@" --checkpoint.resume auto
   done
-  trap - "$MG_SIGNAL"
+  trap - "$MG_SIGNAL" TERM INT
   if [ "$rc" -eq 0 ]; then
     echo "$prog: job $SLURM_JOB_ID run $MG_RUN finished" >&2
     exit 0
@@ -197,10 +218,43 @@ mg_run() {
   exit "$rc"
 }
 
+# _mg_step SRUN_OPTIONS... -- TASK...: one srun of the step in the background, waited for across trapped signals;
+# sets mg_rc.
+_mg_step() {
+  local srun_opts=()
+  while [ "$1" != "--" ]; do
+    srun_opts+=("$1")
+    shift
+  done
+  shift
+  # --kill-on-bad-exit: a rank that fails takes the others down instead of leaving them blocked in a collective.
+  # shellcheck disable=SC2016 # expanded by the task's bash
+  srun --kill-on-bad-exit=1 "${srun_opts[@]}" \
+    bash -c 'source "$1"; shift; "$@"' mg "${BASH_SOURCE[0]}" "$@" &
+  mg_srun_pid=$!
+  while true; do
+    mg_rc=0
+    wait "$mg_srun_pid" || mg_rc=$?
+    # A trapped signal interrupts `wait` (status > 128) while srun runs on: wait again.
+    if [ "$mg_rc" -gt 128 ] && kill -0 "$mg_srun_pid" 2>/dev/null; then continue; fi
+    break
+  done
+  mg_srun_pid=
+}
+
+# _mg_forward SIGNAL: the checkpoint signal (requeue afterwards) or SIGTERM/SIGINT (Slurm's TERM before KILL at
+# the time limit or preemption, scancel, an orchestrator; no requeue, no restart), through srun to every process
+# of the step. The ranks stop after the same step; after SIGTERM/SIGINT with a checkpoint if it fits in
+# --checkpoint.grace_s (keep it below Slurm's KillWait, 30 s by default, after which Slurm sends SIGKILL).
 _mg_forward() {
-  mg_signalled=1
-  echo "$prog: SIG$MG_SIGNAL: asking the ranks to finish their step, save a checkpoint and stop" >&2
+  if [ "$1" = "$MG_SIGNAL" ]; then
+    mg_signalled=1
+    echo "$prog: SIG$1: asking the ranks to finish their step, save a checkpoint and stop" >&2
+  else
+    mg_stopped=1
+    echo "$prog: SIG$1: asking the ranks to stop after their step (checkpoint if it fits in the grace period)" >&2
+  fi
   if [ -n "$mg_srun_pid" ]; then
-    kill -s "$MG_SIGNAL" "$mg_srun_pid" 2>/dev/null || true # srun delivers it to every process of the step
+    kill -s "$1" "$mg_srun_pid" 2>/dev/null || true # srun delivers it to every process of the step
   fi
 }

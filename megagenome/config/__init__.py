@@ -21,9 +21,11 @@ from megagenome.config.sections import (
     RootConfig,
     SourceConfig,
     TrainConfig,
+    config_differences,
     config_hash,
     d_ff,
     parse_region,
+    resume_record,
     to_dict,
 )
 
@@ -39,9 +41,11 @@ __all__ = [
     "RootConfig",
     "SourceConfig",
     "TrainConfig",
+    "config_differences",
     "config_hash",
     "d_ff",
     "parse_region",
+    "resume_record",
     "signal_number",
     "to_dict",
     "validate",

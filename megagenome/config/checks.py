@@ -44,7 +44,21 @@ def validate(cfg: RootConfig) -> list[str]:
         + _checkpoint_problems(cfg.checkpoint, cfg.train)
         + _log_problems(cfg.log)
         + _distill_problems(cfg)
+        + _spike_problems(cfg)
     )
+
+
+def _spike_problems(cfg: RootConfig) -> list[str]:
+    """Under pipeline parallelism a spike is found only after its update (train/divergence.py): skipping it would go
+    on from weights it changed."""
+    t = cfg.train
+    if t.spike_sigmas > 0 and t.on_spike == "skip" and cfg.parallel.pipeline > 1:
+        return [
+            f"--train.on_spike=skip with --parallel.pipeline={cfg.parallel.pipeline}: DeepSpeed's pipeline engine "
+            "applies a step's update before its loss is known, so a spike cannot be skipped; use --train.on_spike "
+            "rollback or stop"
+        ]
+    return []
 
 
 def _distill_problems(cfg: RootConfig) -> list[str]:
@@ -152,6 +166,13 @@ def _train_problems(t: TrainConfig) -> list[str]:
         problems.append(f"--train.stop_at={t.stop_at}: must be within [1, --train.max_steps={t.max_steps}]")
     if t.hang_timeout_s < 0:
         problems.append(f"--train.hang_timeout_s={t.hang_timeout_s:g}: must be >= 0 (0 disables the watchdog)")
+    problems += _positive([("train.spike_window", t.spike_window)])
+    if t.nonfinite_limit < 0 or t.max_restarts < 0:
+        problems.append(
+            f"--train.nonfinite_limit={t.nonfinite_limit} and --train.max_restarts={t.max_restarts}: must be >= 0"
+        )
+    if t.spike_sigmas < 0:
+        problems.append(f"--train.spike_sigmas={t.spike_sigmas:g}: must be >= 0 (0 disables the spike detector)")
     if t.num_threads is not None and t.num_threads <= 0:
         problems.append(f"--train.num_threads={t.num_threads}: must be positive")
     if not 0 <= t.distill_alpha <= 1:
@@ -165,6 +186,8 @@ def _checkpoint_problems(c: CheckpointConfig, t: TrainConfig) -> list[str]:
     problems = _positive([("checkpoint.keep_last", c.keep_last)])
     if t.eval_interval < 0 or c.interval < 0:
         problems.append("--train.eval_interval and --checkpoint.interval must be non-negative (0: only at the end)")
+    if not c.grace_s > 0:
+        problems.append(f"--checkpoint.grace_s={c.grace_s:g}: must be positive (seconds)")
     try:
         signal_number(c.signal)
     except ValueError as e:

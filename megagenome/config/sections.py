@@ -222,6 +222,27 @@ class TrainConfig:
     """Hang watchdog: a rank that completes no training step for this many seconds dumps every thread's Python stack
     to stderr and <run dir>/hang_rank<R>.txt and exits with code 86. The clock starts at the first step and stops
     during evaluation and checkpoint saving. 0 disables it."""
+    on_nonfinite: Literal["skip", "stop", "rollback"] = "skip"
+    """A step whose loss or gradient norm is inf or NaN never updates the weights (DeepSpeed discards it) and is
+    never checkpointed. Then: skip (go on with the next batch), stop (exit with code 4, the last complete checkpoint
+    intact) or rollback (reload the last complete checkpoint and skip the batches of the steps since it, as PaLM did
+    for loss spikes). Each one is a row with "event" in metrics.jsonl and counted in summary.json."""
+    nonfinite_limit: int = 10
+    """Bad steps (non-finite or loss spikes) one invocation tolerates; one more stops the run with exit code 4."""
+    spike_sigmas: float = 0.0
+    """Loss-spike detector: a step whose loss exceeds the mean of the previous --train.spike_window step losses by
+    more than this many of their standard deviations is a spike (0: off; 6 is a conservative choice). Spike steps
+    are handled as --train.on_spike says; the window only fills with steps that were not bad."""
+    spike_window: int = 100
+    """Steps of the running window the loss-spike detector compares against (it tests once the window is full)."""
+    on_spike: Literal["skip", "stop", "rollback"] = "rollback"
+    """What a loss spike does: skip (its update is discarded), stop (exit code 4) or rollback (as for
+    --train.on_nonfinite)."""
+    max_restarts: int = 0
+    """Restarts of a failed job (a crash, a killed rank, a hang) from the last complete checkpoint, by the launch
+    scripts (launch/*.sh, launch/slurm/*.sbatch through `python -m megagenome.supervise`); never after a refused
+    config (exit 2), a run stopped for a reason a restart would meet again (3: fp16 loss scale at its minimum, a
+    failed save), a divergence stop (4), a finished run (0) or a stop you asked for (75, 130, 143)."""
 
 
 @dataclass
@@ -263,6 +284,21 @@ class CheckpointConfig:
     """Signal that stops training cleanly for a requeue (e.g. Slurm's `--signal=B:USR1@300`): every rank finishes
     the current step, a checkpoint of it is saved and the run exits with code 75; the next run resumes from it.
     A name (SIGUSR1, USR2, SIGTERM, ...) or none."""
+    grace_s: float = 60.0
+    """After SIGTERM or SIGINT (Ctrl-C, an orchestrator, Slurm's TERM before KILL): every rank finishes the current
+    step and saves a checkpoint of it if that fits in this many seconds from the signal (judged by the last save's
+    duration); each rank exits at the latest this long after the signal (code 143 for TERM, 130 for INT)."""
+    verify: Literal["digest", "size"] = "digest"
+    """How a checkpoint is verified before resuming from it against the file list in its COMPLETE marker: digest
+    (SHA-256 and size of every file) or size (sizes only, for very large checkpoints). A bad checkpoint is named and
+    the run falls back to the previous complete one, with a warning."""
+    allow_data_change: bool = False
+    """Resume although the training data's SHA-256 (FASTA, or prepared manifest and shards) differs from the one
+    recorded in the checkpoint; the change is printed and recorded in the run's summary."""
+    convert_on_resize: bool = True
+    """Resuming (--checkpoint.resume auto) a ZeRO 1-3 checkpoint at another data-parallel size (a node lost, or
+    added): convert it to a universal checkpoint first (<run dir>/checkpoints_universal) and continue from it with
+    the same global batch (gradient accumulation adjusted), instead of refusing with the command to run."""
 
 
 @dataclass
@@ -339,10 +375,50 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# Keys a resumed run may change: where the run started, how activations are recomputed, which attention kernel
+# computes the same function, what evaluation scores, and where the training data lies (its content is compared
+# instead: data/fingerprint.py). Every other model and data key must match the checkpoint's (resume_record,
+# config_differences); the global batch is checked from the checkpoint's sample count.
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "data.fasta",
+        "data.prepared",
+        "model.init_from",
+        "model.checkpointing",
+        "model.checkpoint_every",
+        "model.attention",
+        "data.eval_windows",
+        "data.eval_softmask_weight",
+    }
+)
+
+
+def resume_record(cfg: RootConfig) -> dict:
+    """The model and data keys a checkpoint depends on ({"model": {...}, "data": {...}}), recorded in every
+    checkpoint so that a resume with another value is refused before anything starts, naming the key."""
+    return {
+        section: {k: v for k, v in to_dict(getattr(cfg, section)).items() if f"{section}.{k}" not in RESUME_MAY_CHANGE}
+        for section in ("model", "data")
+    }
+
+
+def config_differences(saved: dict, cfg: RootConfig) -> list[str]:
+    """'--model.d_model: checkpoint 32, this run 64' for every key of resume_record that differs."""
+    current = resume_record(cfg)
+    out = []
+    for section, values in current.items():
+        old = saved.get(section) or {}
+        for key in sorted(set(values) | set(old)):
+            if f"{section}.{key}" in RESUME_MAY_CHANGE:
+                continue
+            if old.get(key) != values.get(key):
+                out.append(f"--{section}.{key}: checkpoint {old.get(key)!r}, this run {values.get(key)!r}")
+    return out
+
+
 def config_hash(cfg: RootConfig) -> str:
-    """SHA-256 of what a checkpoint depends on: model shape and data definition."""
-    model = {k: v for k, v in to_dict(cfg.model).items() if k != "init_from"}  # where the run started, not its model
-    payload = json.dumps({"model": model, "data": to_dict(cfg.data)}, sort_keys=True)
+    """SHA-256 of what a checkpoint depends on: model shape and data definition (resume_record)."""
+    payload = json.dumps(resume_record(cfg), sort_keys=True)
     # The parallel layout is deliberately left out: a checkpoint converted to the universal format may be
     # loaded under another layout.
     return hashlib.sha256(payload.encode()).hexdigest()

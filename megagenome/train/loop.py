@@ -5,11 +5,12 @@ pipeline engine's, parallel/pipeline.py), `engine(**batch)` for evaluation (or t
 its learning rate, gradient norm and loss scale, and gets batches, collectives and checkpoint saving as plain
 callables, so the same loop serves any data source and any parallel layout.
 
-Stopping for a requeue: while fit() runs (from the start of pretrain.run, which passes its StopRequest in), the
-checkpoint signal (LoopPlan.stop_signal, SIGUSR1 by default) only sets a flag. After every step the flag is summed
-over all ranks, since a scheduler may signal some ranks and not others (or at different moments); once any rank
-has it, every rank stops after that same step, a checkpoint of it is saved, and Preempted is raised: the command
-line exits with PREEMPTED_EXIT and the job script requeues.
+Stopping on a signal (train/stopping.py, which also lists the exit codes): from the start of pretrain.run, which
+passes its StopRequest in, the checkpoint signal (SIGUSR1 by default), SIGTERM, SIGINT and the launcher's death only
+set a flag. After every step one reduce_sum over all ranks agrees on them, since a scheduler may signal some ranks
+and not others (or at different moments); once any rank has one, every rank stops after that same step, saves a
+checkpoint of it (after SIGTERM/SIGINT only if it fits in --checkpoint.grace_s) and Preempted is raised: the command
+line exits with 75 (the job script requeues), 143 (SIGTERM) or 130 (SIGINT).
 
 Accounting (one row per logging window, metrics.py for the FLOP formulas): tokens counts every position of every
 window trained (padding and N included) and is cumulative; window_tokens is that count for the window and
@@ -25,16 +26,14 @@ sum carries them all and the maximum is taken locally): no extra collective.
 from __future__ import annotations
 
 import resource
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from megagenome.config import signal_number
 from megagenome.metrics import MetricsWriter, bits_per_base
+from megagenome.train.stopping import PREEMPTED_EXIT, Stop, StopRequest
 
 
 @dataclass
@@ -150,23 +149,30 @@ def forward_backward_step(
     grad_accum: int,
     grad_norm: Callable[[], float] | None = None,
     on_gradients: Callable[[int], None] | None = None,
+    before_update: Callable[[float], bool] | None = None,
 ) -> StepFn:
     """The step of a plain DeepSpeed engine: engine(**batch), backward and step for each micro batch
-    train_batch(step, m); grad_norm() and on_gradients(step) run between the last backward and the optimizer step."""
+    train_batch(step, m); grad_norm() and on_gradients(step) run between the last backward and the optimizer step.
+    before_update(step loss) runs after the last forward, before its backward: True discards the step's update
+    (train/divergence.py: the backward of a NaN-scaled loss makes the gradients non-finite, and DeepSpeed's
+    overflow check drops them)."""
 
     def run(step: int) -> tuple[float, float | None]:
         step_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         own_norm = None
         for micro_step in range(grad_accum):
             loss, _, _ = engine(**to_device(train_batch(step, micro_step)))
+            last = micro_step == grad_accum - 1
+            step_loss += loss.detach().to(torch.float64)
+            if last and before_update is not None and before_update(float(step_loss) / grad_accum):
+                loss = loss * float("nan")
             engine.backward(loss)
-            if micro_step == grad_accum - 1:
+            if last:
                 if grad_norm is not None:
                     own_norm = grad_norm()  # gradients are reduced by now, step() clears them
                 if on_gradients is not None:
                     on_gradients(step)
             engine.step()
-            step_loss += loss.detach().to(torch.float64)
         return float(step_loss) / grad_accum, own_norm  # float() waits for the device
 
     return run
@@ -192,58 +198,62 @@ def fit(
     progress: bool,
     tokens: TokenCounter | None = None,
     stop: StopRequest | None = None,
+    guard=None,
+    rollback: Callable[[int], int | None] | None = None,
 ) -> dict:
     """Train from plan.start_step to plan.stop_at; returns the last logged train row and eval row.
 
     train_step runs one optimizer step (StepFn). tokens, the TokenCounter train_step draws its batches from, gives
     each row's real-token count (without it, window_real_tokens is None).
 
-    With plan.stop_signal set, that signal on any rank ends the run after the current step: the step is logged, a
-    checkpoint of it saved, and Preempted raised (unless the step was the invocation's last, which ends as usual).
+    A stop the ranks agree on (stop.decide, train/stopping.py) ends the run after the current step: the step is
+    logged, a checkpoint of it saved (after SIGTERM/SIGINT only if it fits in the grace period, and no evaluation),
+    and Preempted raised with the stop's exit code (unless the step was the invocation's last, which ends as usual).
     stop: the StopRequest pretrain.py installed at start-up, so that a signal then is not lost (default: one
-    installed for the duration of fit).
-    """
-    from tqdm.auto import tqdm
+    watching plan.stop_signal for the duration of fit).
 
-    bar = tqdm(
-        total=plan.max_steps,
-        initial=plan.start_step,
-        desc="pretrain",
-        unit="step",
-        dynamic_ncols=True,
-        disable=not (progress and plan.rank == 0),
-    )
+    guard (train/divergence.py Guard) judges every step; a bad one is handled as its policy says (skip, stop:
+    Diverged, rollback: rollback(bad step) reloads the last complete checkpoint and returns its step, which the
+    loop continues after, or None when there is none).
+    """
+    bar = _progress_bar(plan, progress)
     last_train: dict = {}
     last_eval: dict = {}
     window = _Window()  # throughput counts only time spent in training steps, not evaluation or checkpoint saving
     engine.train()
     own_stop = stop is None
     stop = StopRequest(plan.stop_signal) if own_stop else stop
+    save_checkpoint = stop.timed(save_checkpoint)  # the grace period judges a save by the last one's duration
     try:
-        for step in range(plan.start_step, plan.stop_at):
+        step = plan.start_step
+        while step < plan.stop_at:
             started = time.perf_counter()
+            skipped_before = int(getattr(engine, "skipped_steps", 0))
             step_loss, own_norm = _step_or_stop(train_step, engine, step, save_checkpoint)
             window.loss += step_loss
             window.seconds += time.perf_counter() - started
             window.steps += 1
             done = step + 1
+            bad = _judge(guard, engine, done, step_loss, own_norm, skipped_before)
             last = done == plan.stop_at
-            # At the last step there is nothing left to stop: the run ends as usual (exit code 0).
-            preempted = stop.agreed(reduce_sum) and not last
+            # At the last step there is nothing left to stop (the run ends as usual, exit code 0): no vote, on any rank.
+            halt = None if last else stop.decide(reduce_sum)
+            preempted = halt is not None
             if done % plan.log_interval == 0 or last or preempted:
                 last_train = _train_row(engine, plan, window, done, own_norm, tokens, reduce_sum)
                 writer.write(last_train)
                 bar.set_postfix(loss=f"{last_train['loss']:.4f}", tok_s=f"{last_train['tokens_per_s']:,.0f}")
                 window = _Window()
             bar.update(1)
-            last_eval = _after_step(plan, done, preempted, run_eval, save_checkpoint, writer, bar) or last_eval
+            if bad is not None:
+                resumed_at = _handle_bad_step(bad, guard, rollback, writer, bar)
+                if resumed_at is not None:
+                    window, step = _Window(), resumed_at
+                    continue
+            last_eval = _after_step(plan, done, halt, run_eval, save_checkpoint, writer, bar) or last_eval
             if preempted:
-                raise Preempted(
-                    f"{stop.name} received: checkpoint of step {done} (of {plan.max_steps}) saved; exiting with "
-                    f"{PREEMPTED_EXIT} so the job can be requeued; the next run resumes there "
-                    "(--checkpoint.resume auto)",
-                    step=done,
-                )
+                raise Preempted(_stop_message(halt, stop, done, plan), done, halt.exit_code, halt.save)
+            step = done
     finally:
         if own_stop:
             stop.close()
@@ -251,12 +261,77 @@ def fit(
     return {"train": last_train, "eval": last_eval}
 
 
-def _after_step(plan: LoopPlan, done: int, preempted: bool, run_eval, save_checkpoint, writer, bar) -> dict | None:
-    """Checkpoint and evaluate as due after step `done`; returns the eval row if there was one."""
-    if preempted:  # the checkpoint first: a scheduler's grace time may not cover an evaluation too
+def _progress_bar(plan: LoopPlan, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=plan.max_steps,
+        initial=plan.start_step,
+        desc="pretrain",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not (progress and plan.rank == 0),
+    )
+
+
+def _judge(guard, engine, done: int, step_loss: float, own_norm, skipped_before: int):
+    """The guard's verdict on step `done` (train/divergence.py), None without a guard: its loss, its gradient norm
+    (measured by the step, else DeepSpeed's) and whether DeepSpeed discarded it (skipped_steps grew)."""
+    if guard is None:
+        return None
+    skipped = int(getattr(engine, "skipped_steps", 0)) > skipped_before
+    norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+    return guard.judge(done, step_loss, norm, skipped)
+
+
+def _handle_bad_step(bad, guard, rollback, writer: MetricsWriter, bar) -> int | None:
+    """Record the bad step and act on it (train/divergence.py); the step a rollback continues after, else None (the
+    run goes on with the next batch) or Diverged."""
+    from megagenome.train.divergence import Diverged
+
+    if bad.action == "rollback":
+        back_to = rollback(bad.step) if rollback is not None else None
+        if back_to is not None:
+            writer.truncate_after(back_to, sinks=False)  # the file matches the restored state, as after a resume
+            writer.write({**bad.row(), "step": back_to, "bad_step": bad.step, "skipped_batches": bad.step - back_to})
+            bar.write(f"step {bad.step}: {bad.reason} ({bad.detail}); rolled back to step {back_to}")
+            bar.n = back_to
+            _stop_if_over(guard, bad)
+            return back_to
+        bad.action = "skip" if bad.discarded else "stop"
+        bad.detail += "; no complete checkpoint to roll back to yet"
+    writer.write({**bad.row(), "bad_step": bad.step})
+    bar.write(f"step {bad.step}: {bad.reason} ({bad.detail}); {bad.action}")
+    if bad.action == "stop":
+        raise Diverged(
+            f"step {bad.step}: {bad.reason} ({bad.detail}); --train.on_{bad.reason} stop: no checkpoint holds it; "
+            "the last complete checkpoint is the run's state"
+        )
+    _stop_if_over(guard, bad)
+    return None
+
+
+def _stop_if_over(guard, bad) -> None:
+    from megagenome.train.divergence import Diverged
+
+    if guard.over_limit():
+        raise Diverged(
+            f"{len(guard.events)} bad steps in this run (the last: step {bad.step}, {bad.reason}: {bad.detail}), more "
+            f"than --train.nonfinite_limit={guard.limit}: the run is diverging. The last complete checkpoint holds "
+            "no bad step; lower --train.lr, check the data, or resume from an earlier checkpoint"
+        )
+
+
+def _after_step(plan: LoopPlan, done: int, halt: Stop | None, run_eval, save_checkpoint, writer, bar) -> dict | None:
+    """Checkpoint and evaluate as due after step `done`; returns the eval row if there was one. halt: the stop the
+    ranks agreed after this step (train/stopping.py), if any: its checkpoint comes first (a scheduler's grace time
+    may not cover an evaluation too), and after SIGTERM/SIGINT nothing else is done."""
+    preempted = halt is not None
+    if preempted and halt.save:
         save_checkpoint(done)
     row = None
-    if (plan.eval_interval and done % plan.eval_interval == 0) or done == plan.max_steps:
+    due = (plan.eval_interval and done % plan.eval_interval == 0) or done == plan.max_steps
+    if due and not (preempted and halt.urgent):
         row = {"step": done, "split": "val", **run_eval()}
         writer.write(row)
         if plan.rank == 0:
@@ -264,6 +339,25 @@ def _after_step(plan: LoopPlan, done: int, preempted: bool, run_eval, save_check
     if ((plan.ckpt_interval and done % plan.ckpt_interval == 0) or done == plan.stop_at) and not preempted:
         save_checkpoint(done)
     return row
+
+
+def _stop_message(halt: Stop, stop: StopRequest, done: int, plan: LoopPlan) -> str:
+    """The line the command prints (rank 0) when the ranks stop after step `done`: why, what was saved, what next."""
+    at = f"step {done} (of {plan.max_steps})"
+    if not halt.urgent:
+        return (
+            f"{halt.reason}: checkpoint of {at} saved; exiting with {PREEMPTED_EXIT} so the job can be requeued; "
+            "the next run resumes there (--checkpoint.resume auto)"
+        )
+    if halt.save:
+        saved = f"checkpoint of {at} saved"
+    else:
+        took = f"{stop.last_save_s:.1f}" if stop.last_save_s is not None else "?"
+        saved = (
+            f"{at} not saved: its checkpoint would not fit in --checkpoint.grace_s={stop.grace_s:g} (the last save "
+            f"took {took} s); the newest complete checkpoint is the run's state"
+        )
+    return f"{halt.reason}: {saved}; exiting with {halt.exit_code}; resume with --checkpoint.resume auto"
 
 
 def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tokens, reduce_sum) -> dict:
@@ -305,12 +399,6 @@ def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tok
     }
 
 
-PREEMPTED_EXIT = 75
-"""Exit code of a run stopped by the checkpoint signal with its checkpoint saved: EX_TEMPFAIL of sysexits.h
-("temporary failure, try again"). Distinct from 0 (done), 1 (error), 2 (configuration), 3 (TrainingStopped), 86
-(hang watchdog), 124 (timeout(1)) and 128+N (killed by signal N), so job scripts requeue on it and nothing else."""
-
-
 class TrainingStopped(RuntimeError):
     """Training cannot go on (e.g. fp16 overflow at the minimum loss scale); a checkpoint was saved first."""
 
@@ -318,45 +406,17 @@ class TrainingStopped(RuntimeError):
 
 
 class Preempted(TrainingStopped):
-    """The checkpoint signal stopped the run after `step`, whose checkpoint every rank has saved; resuming continues
-    exactly where it stopped."""
+    """A signal stopped the run on every rank after `step` (train/stopping.py). After the checkpoint signal that
+    step's checkpoint is saved and exit_code is PREEMPTED_EXIT (75); after SIGTERM (143) or SIGINT (130) it is saved
+    when it fitted in the grace period (`saved`). Resuming continues exactly where the saved checkpoint stopped."""
 
     exit_code = PREEMPTED_EXIT
 
-    def __init__(self, message: str, step: int):
+    def __init__(self, message: str, step: int, exit_code: int = PREEMPTED_EXIT, saved: bool = True):
         super().__init__(message)
         self.step = step
-
-
-class StopRequest:
-    """Watches for the checkpoint signal from construction until close(); agreed() tells whether any rank got it.
-
-    The handler only sets a flag (no I/O, no collectives: it may run between any two bytecodes); the loop acts on
-    it at the step boundary. Signal handlers can only be installed from the main thread: elsewhere the flag stays
-    down on this rank, which still takes part in agreed() so that the ranks' collectives line up."""
-
-    def __init__(self, name: str | None):
-        self.signum = signal_number(name)
-        self.name = signal.Signals(self.signum).name if self.signum is not None else None
-        self.received = False
-        self._previous = None
-        self._installed = self.signum is not None and threading.current_thread() is threading.main_thread()
-        if self._installed:
-            self._previous = signal.signal(self.signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-    def agreed(self, reduce_sum: Callable[[list[float]], list[float]]) -> bool:
-        """Whether any rank has received the signal: one all-reduce of a flag per call, made by every rank."""
-        if self.signum is None:
-            return False
-        return reduce_sum([1.0 if self.received else 0.0])[0] > 0
-
-    def close(self) -> None:
-        if self._installed:
-            signal.signal(self.signum, self._previous)
-            self._installed = False
+        self.exit_code = exit_code
+        self.saved = saved
 
 
 def _step_or_stop(train_step: StepFn, engine, step: int, save_checkpoint: Callable[[int], None]):
