@@ -8,9 +8,9 @@
     data           the SHA-256 of the training data (data/fingerprint.py: the FASTA, or the prepared manifest and
                    each shard's recorded digest) equal to the checkpoint's, unless --checkpoint.allow_data_change
     layout         the parallel layout and global batch the checkpoint can resume under (train/checkpoint.py); a
-                   ZeRO 1-3 checkpoint at another data-parallel size is converted to the universal format when
-                   --checkpoint.convert_on_resize (Resume.convert), with the accumulation adjusted to keep its
-                   global batch
+                   ZeRO 1-3 checkpoint of this run at another data-parallel size is converted to the universal
+                   format when --checkpoint.convert_on_resize (Resume.convert), with the accumulation adjusted to
+                   keep its global batch
 
 Nothing is written here; pretrain.py converts (Resume.convert) once the ranks exist.
 """
@@ -57,7 +57,7 @@ def resolve(cfg: RootConfig, layout: ParallelLayout | None, root: str, fingerpri
     out.problems += _config_problems(out.path, info, cfg)
     out.problems += _data_problems(out, info, cfg, fingerprint)
     if layout is not None:
-        _layout_problems(out, info, cfg, layout)
+        _layout_problems(out, info, cfg, layout, own=os.path.dirname(out.path) == os.path.abspath(root))
     return out
 
 
@@ -102,10 +102,12 @@ def _data_problems(out: Resume, info: dict, cfg: RootConfig, current: dict | Non
     ]
 
 
-def _layout_problems(out: Resume, info: dict, cfg: RootConfig, layout: ParallelLayout) -> None:
-    """The layout and batch checks; a convertible data-parallel resize becomes Resume.convert."""
+def _layout_problems(out: Resume, info: dict, cfg: RootConfig, layout: ParallelLayout, own: bool) -> None:
+    """The layout and batch checks; a convertible data-parallel resize of the run's own checkpoint (own: it lies in
+    this run's checkpoints/, where the conversion goes beside it) becomes Resume.convert. Another run's checkpoint,
+    named by --checkpoint.resume, is only read: its resize is refused with the command that converts it."""
     current = layout.record()
-    resized = _resizable(out.path, info, cfg, current)
+    resized = own and _resizable(out.path, info, cfg, current)
     if resized:
         step, samples = info.get("step") or 0, info.get("samples_consumed")
         global_batch = samples // step if step and samples is not None else layout.batch(cfg.train).global_batch

@@ -296,8 +296,8 @@ class CheckpointConfig:
     """Resume although the training data's SHA-256 (FASTA, or prepared manifest and shards) differs from the one
     recorded in the checkpoint; the change is printed and recorded in the run's summary."""
     convert_on_resize: bool = True
-    """Resuming (--checkpoint.resume auto) a ZeRO 1-3 checkpoint at another data-parallel size (a node lost, or
-    added): convert it to a universal checkpoint first (<run dir>/checkpoints_universal) and continue from it with
+    """Resuming one of the run's own ZeRO 1-3 checkpoints (in <run dir>/checkpoints, e.g. --checkpoint.resume auto)
+    at another data-parallel size (a node lost, or added): convert it to a universal checkpoint first (<run dir>/checkpoints_universal) and continue from it with
     the same global batch (gradient accumulation adjusted), instead of refusing with the command to run."""
 
 
