@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         except TrainingStopped as e:
             if os.environ.get("RANK", "0") == "0":
                 print(f"megagenome pretrain: stopped: {e}", file=sys.stderr)
-            return e.exit_code  # 3, or PREEMPTED_EXIT (75) after the checkpoint signal (train/loop.py)
+            return e.exit_code  # 3 stopped, 4 diverged, 75 checkpoint signal, 130/143 INT/TERM (train/stopping.py)
         return 0
     if ns.command == "prepare":
         return run_prepare(ns.prepare)
