@@ -96,11 +96,12 @@ def _watchable(name: str | None) -> bool:
 def _run(cfg: RootConfig, config_files: list[str], keep_process_group: bool, stop: StopRequest | None) -> dict:
     started = time.time()
     validated = assembly.validate(cfg, config_files, int(os.environ.get("WORLD_SIZE", "1")))
-    cfg, data, lock = validated.cfg, validated.data, None  # cfg: a data-parallel resize adjusts the accumulation
+    data, lock = validated.data, None
     try:
-        ranks = assembly.start_ranks(cfg, validated.layout)
-        lock = _lock_run_dir(cfg, ranks.rank)
-        validated = _agree_on_resume(validated, ranks.rank)
+        ranks = assembly.start_ranks(validated.cfg, validated.layout)
+        lock = _lock_run_dir(validated.cfg, ranks.rank)
+        validated = _agree_on_resume(validated, cfg, ranks.rank)
+        cfg = validated.cfg  # a data-parallel resize adjusts the accumulation (resume_checks.py)
         run = assembly.assemble(validated, ranks)
         _write_records(run, data)
         peak = _peak(run)
@@ -135,7 +136,7 @@ def _lock_run_dir(cfg: RootConfig, rank: int):
             took_over = lock.acquire()
             if took_over:
                 print(f"megagenome: {took_over}", flush=True)
-        except RunLocked as e:
+        except (RunLocked, OSError) as e:  # OSError: no locks on this filesystem, no permission, a full disk
             lock, message = None, str(e)
     message = ds.broadcast_object(message)
     if message is not None:
@@ -143,17 +144,25 @@ def _lock_run_dir(cfg: RootConfig, rank: int):
     return lock
 
 
-def _agree_on_resume(validated: Validated, rank: int) -> Validated:
+def _agree_on_resume(validated: Validated, original: RootConfig, rank: int) -> Validated:
     """Every rank resumes from the same checkpoint (train/checkpoint.py agree_on_resume: ranks that verified
-    different ones take the oldest); a data-parallel resize converts it to the universal format first (rank 0, into
+    different ones take the oldest, and then every rank checks that one again, so that all agree on converting it
+    and on the batch); a data-parallel resize converts it to the universal format first (rank 0, into
     <run dir>/checkpoints_universal; a conversion left by an earlier attempt is reused). Rank 0 prints the
-    warnings resuming found (a bad checkpoint skipped, an allowed data change, the conversion)."""
+    warnings resuming found (a bad checkpoint skipped, an allowed data change, the conversion). original: the run
+    config as given (validate may have adjusted the accumulation for the checkpoint this rank chose)."""
+    choices = ds.all_gather_object(validated.resume_from)
+    try:
+        path = checkpoint.agree_on_resume(validated.resume_from, lambda _: choices)
+    except ValueError as e:  # some ranks found a checkpoint, others none: every rank refuses alike
+        raise ConfigError([str(e)]) from e
+    if len(set(choices)) > 1:
+        validated = _resolve_again(validated, original, path)
     resume = validated.resume
-    path = checkpoint.agree_on_resume(validated.resume_from, ds.all_gather_object)
     if rank == 0:
         for warning in resume.warnings if resume else []:
             print(f"megagenome: warning: {warning}", flush=True)
-        if path != validated.resume_from:
+        if len(set(choices)) > 1:
             print(f"megagenome: warning: ranks verified different checkpoints; all resume from {path}", flush=True)
     if path is not None and resume is not None and resume.convert:
         target, error = resume_checks.converted_path(path), None
@@ -167,6 +176,18 @@ def _agree_on_resume(validated: Validated, rank: int) -> Validated:
             raise ConfigError([error])
         path = target
     return replace(validated, resume_from=path)
+
+
+def _resolve_again(validated: Validated, original: RootConfig, path: str) -> Validated:
+    """The resume checks of `path`, the checkpoint the ranks agreed on, on every rank alike."""
+    named = replace(original, checkpoint=replace(original.checkpoint, resume=path))
+    root = assembly.checkpoint_root(original)
+    resume = resume_checks.resolve(named, validated.layout, root, validated.data_fingerprint)
+    if resume.problems:
+        raise ConfigError(resume.problems)
+    cfg = replace(resume.cfg, checkpoint=replace(resume.cfg.checkpoint, resume=original.checkpoint.resume))
+    batch = validated.layout.batch(cfg.train)
+    return replace(validated, cfg=cfg, batch=batch, resume_from=resume.path, resume=resume)
 
 
 def _tear_down(keep_process_group: bool) -> None:
@@ -295,10 +316,16 @@ def _save(run: Run, step: int, offset: int, spike_window: list[float]) -> None:
 
 
 def _rollback(run: Run, bad_step: int, cursor: dict, guard: Guard) -> int | None:
-    """Reload the newest complete checkpoint (every rank) and move the data cursor past the batches of the steps
-    since it; returns its step, or None when there is none yet (train/divergence.py)."""
-    path = checkpoint.latest_complete(assembly.checkpoint_root(run.cfg))
-    if path is None:
+    """Reload the newest complete checkpoint before `bad_step` (every rank the same one) and move the data cursor past
+    the batches of the steps since it; returns its step, or None when there is none this engine can load: none yet,
+    or the run loads universal checkpoints (--checkpoint.universal, or a resize converted one), and its own are not
+    (train/divergence.py then skips or stops)."""
+    cfg = run.cfg
+    earlier = [p for s, p in checkpoint.complete_tags(assembly.checkpoint_root(cfg)) if s < bad_step]
+    path = checkpoint.agree_on_resume(earlier[-1] if earlier else None, ds.all_gather_object)
+    if path is None or cfg.checkpoint.universal:
+        return None
+    if checkpoint.resume_problems(path, run.layout.record(), False, run.batch.global_batch):
         return None
     client = assembly.load(run, path, restore_rng=checkpoint.rng_applies(path, run.layout.record()))
     back_to = int(client["step"])

@@ -57,7 +57,9 @@ def resolve(cfg: RootConfig, layout: ParallelLayout | None, root: str, fingerpri
     out.problems += _config_problems(out.path, info, cfg)
     out.problems += _data_problems(out, info, cfg, fingerprint)
     if layout is not None:
-        _layout_problems(out, info, cfg, layout, own=os.path.dirname(out.path) == os.path.abspath(root))
+        _layout_problems(
+            out, info, cfg, layout, own=os.path.dirname(os.path.abspath(out.path)) == os.path.abspath(root)
+        )
     return out
 
 

@@ -16,9 +16,10 @@ launcher under it. COMMAND runs in a session of its own, so a Ctrl-C at the term
   second SIGINT (Ctrl-C twice) kills the group at once. Whatever is left of the group when the supervisor exits is
   SIGKILLed, and every rank watches the supervisor's pid (MEGAGENOME_SUPERVISOR_PID) and stops should it
   disappear, so no process of the launch outlives it.
-- Restarts: unless the supervisor was asked to stop, an exit code other than 0 (done), 2 (refused config), 4
-  (diverged), 75 (checkpoint signal), 130 (SIGINT) or 143 (SIGTERM) reruns COMMAND with `--checkpoint.resume auto`
-  appended (it continues from the newest complete checkpoint of the run directory), up to --train.max_restarts
+- Restarts: unless the supervisor was asked to stop, an exit code other than 0 (done), 2 (refused config), 3
+  (training stopped: a restart would meet the same), 4 (diverged), 75 (checkpoint signal), 130 (SIGINT) or 143
+  (SIGTERM) reruns COMMAND with `--checkpoint.resume auto` appended once the run directory holds a complete
+  checkpoint (it continues from the newest), up to --train.max_restarts
   times. Each restart is a line on stderr and a JSON line in <run dir>/restarts.jsonl: time, attempt, the previous
   exit code, the checkpoint resumed from, host.
 
@@ -312,7 +313,8 @@ def parser() -> argparse.ArgumentParser:
         nargs=2,
         type=int,
         metavar=("ATTEMPT", "EXIT_CODE"),
-        help="Log restart ATTEMPT after EXIT_CODE (stderr, <run dir>/restarts.jsonl) and exit; runs nothing.",
+        help="Log restart ATTEMPT after EXIT_CODE (stderr, <run dir>/restarts.jsonl), print the arguments the restart "
+        "appends (none, or --checkpoint.resume auto) and exit; runs nothing.",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS... (a launch of megagenome pretrain)")
     return p
@@ -334,8 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_max_restarts:
         print(settings.max_restarts)
         return 0
-    if ns.log_restart:
-        log_restart(settings, ns.log_restart[0], ns.log_restart[1], with_resume(command, settings)[1])
+    if ns.log_restart:  # prints the arguments the restart appends (none, or --checkpoint.resume auto)
+        restarted, newest = with_resume(command, settings)
+        log_restart(settings, ns.log_restart[0], ns.log_restart[1], newest)
+        print(" ".join(restarted[len(command) :]))
         return 0
     return supervise(command, settings)
 

@@ -232,6 +232,22 @@ def test_resize_converts_and_keeps_global_batch(lose, name, ref):
     assert math.isclose(final, [r["loss"] for r in _rows(ref_dir, "val")][-1], abs_tol=RESIZE_ATOL)
 
 
+def test_resize_is_recognised_with_a_relative_run_dir(lose, monkeypatch):
+    """The shipped configs name their run directory relative to the working directory: a resize of such a run's own
+    checkpoint is converted too (validated for 1 rank: the 2-rank ZeRO-1 run keeps its global batch 4 with
+    accumulation 2), not refused as another run's."""
+    from dataclasses import replace
+
+    from megagenome import assembly
+    from megagenome.config.load import load_config
+
+    monkeypatch.chdir(lose["root"])
+    cfg = load_config(str(lose["root"] / "shrink_ref" / "config.yaml"))
+    validated = assembly.validate(replace(cfg, log=replace(cfg.log, run_dir="shrink_ref")), [], 1)
+    validated.data.close()
+    assert validated.resume.convert and validated.cfg.train.grad_accum_steps == 2, validated.resume.problems
+
+
 def _cli(*args):
     cmd = [PYTHON, "-m", "megagenome", "pretrain", *args]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)

@@ -64,12 +64,30 @@ def test_a_failure_is_restarted_with_resume_auto_and_logged(tmp_path):
 
 
 def test_restarts_stop_at_the_limit_and_never_follow_a_refusal_or_a_requested_stop(tmp_path):
-    for codes, max_restarts, runs, final in [("1,1,1", "1", 2, 1), ("2,0", "3", 1, 2), ("143,0", "3", 1, 143)]:
+    cases = [("1,1,1", "1", 2, 1), ("2,0", "3", 1, 2), ("3,0", "3", 1, 3), ("143,0", "3", 1, 143)]
+    for codes, max_restarts, runs, final in cases:
         run_dir = tmp_path / f"run_{codes}"
         cmd = ["--", sys.executable, "-c", ATTEMPTS, codes, "pretrain", "--log.run_dir", str(run_dir)]
         done = supervise("--max_restarts", max_restarts, *cmd)
         assert done.returncode == final, (codes, done.stderr)
         assert len((run_dir / "runs").read_text().splitlines()) == runs, codes
+
+
+def test_log_restart_prints_what_a_slurm_restart_appends(tmp_path):
+    """launch/slurm/common.sh restarts srun itself: --log_restart logs the restart and prints the arguments to
+    append, `--checkpoint.resume auto` only once the run has a complete checkpoint of its own (before that, an
+    explicit --checkpoint.resume of another run is kept, not replaced by a fresh start)."""
+    run_dir = tmp_path / "run"
+    base = ["--", "pretrain", "--log.run_dir", str(run_dir), "--checkpoint.resume", str(tmp_path / "other")]
+    first = supervise("--log_restart", "1", "1", *base)
+    assert first.returncode == 0 and first.stdout.strip() == "", first.stderr
+    tag = run_dir / "checkpoints" / "step_00000002"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE").write_text("2\n")
+    second = supervise("--log_restart", "2", "86", *base)
+    assert second.stdout.strip() == "--checkpoint.resume auto", second.stderr
+    rows = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["attempt"], r["exit_code"], r["resumed_from"]) for r in rows] == [(1, 1, None), (2, 86, str(tag))]
 
 
 RANK_AND_HELPER = """

@@ -186,18 +186,27 @@ mg_run() {
     "${pretrain_args[@]}") || max_restarts=0
   trap '_mg_forward "$MG_SIGNAL"' "$MG_SIGNAL"
   trap '_mg_forward TERM' TERM
-  trap '_mg_forward INT' INT
+  # srun takes one SIGINT as a request for the tasks' status, not as a signal to pass on: Ctrl-C goes on as SIGTERM.
+  trap '_mg_forward TERM' INT
+  local resumed=0 extra
   while true; do
+    if [ "$attempt" -gt 0 ] && { [ "$mg_signalled" -eq 1 ] || [ "$mg_stopped" -eq 1 ]; }; then break; fi
     _mg_step "${srun_opts[@]}" -- "$@"
     rc=$mg_rc
     # Restart a failure (not a refused config, a stopped run, a divergence, a finished run or a stop asked for).
     if [ "$mg_signalled" -eq 1 ] || [ "$mg_stopped" -eq 1 ] || [ "$attempt" -ge "$max_restarts" ]; then break; fi
     case "$rc" in 0 | 2 | 3 | 4 | 75 | 130 | 143) break ;; esac  # megagenome/supervise.py NO_RESTART
     attempt=$((attempt + 1))
+    # Logs the restart and prints what the restart appends: `--checkpoint.resume auto` once the run directory holds
+    # a complete checkpoint (an explicit --checkpoint.resume of another run is kept until then).
     # shellcheck disable=SC2086
-    $MEGAGENOME_WRAPPER "$MG_PYTHON" -m megagenome.supervise --log_restart "$attempt" "$rc" -- pretrain \
-      "${pretrain_args[@]}" --checkpoint.resume auto || true
-    set -- "$@" --checkpoint.resume auto
+    extra=$($MEGAGENOME_WRAPPER "$MG_PYTHON" -m megagenome.supervise --log_restart "$attempt" "$rc" -- pretrain \
+      "${pretrain_args[@]}") || extra=""
+    if [ -n "$extra" ] && [ "$resumed" -eq 0 ]; then
+      # shellcheck disable=SC2086 # two words: the flag and its value
+      set -- "$@" $extra
+      resumed=1
+    fi
   done
   trap - "$MG_SIGNAL" TERM INT
   if [ "$rc" -eq 0 ]; then

@@ -297,8 +297,9 @@ class CheckpointConfig:
     recorded in the checkpoint; the change is printed and recorded in the run's summary."""
     convert_on_resize: bool = True
     """Resuming one of the run's own ZeRO 1-3 checkpoints (in <run dir>/checkpoints, e.g. --checkpoint.resume auto)
-    at another data-parallel size (a node lost, or added): convert it to a universal checkpoint first (<run dir>/checkpoints_universal) and continue from it with
-    the same global batch (gradient accumulation adjusted), instead of refusing with the command to run."""
+    at another data-parallel size (a node lost, or added): convert it to a universal checkpoint first (into
+    <run dir>/checkpoints_universal) and continue from it with the same global batch (gradient accumulation
+    adjusted), instead of refusing with the command to run."""
 
 
 @dataclass

@@ -139,6 +139,8 @@ def save(
     if os.path.exists(os.path.join(path, MARKER)):
         return path  # already saved (e.g. a stop right after a periodic checkpoint)
     share = gather or _local_share(barrier)
+    if rank == 0 and os.path.isdir(path):  # an interrupted save of this step (no marker): none of its files count
+        shutil.rmtree(path, ignore_errors=True)
     short = integrity.space_shortfall(path, latest_complete(root)) if rank == 0 or gather is None else None
     verdicts = share(short)
     if any(verdicts):

@@ -16,7 +16,8 @@ is found from the step's loss before the optimizer step (forward_backward_step's
 batch's backward then gets a NaN-scaled loss, so its gradients are not finite and DeepSpeed discards the update
 the same way. DeepSpeed's pipeline engine runs forward, backward and the optimizer step in one call, so under
 pipeline parallelism a spike is found after its update: skip is refused there for spikes (config checks), stop
-and rollback never checkpoint it.
+and rollback never checkpoint it. Under fp16, DeepSpeed's dynamic loss scaler takes the discarded spike for an
+overflow and halves the loss scale (at fp16.min_loss_scale that stops the run, exit 3).
 
 Then, per --train.on_nonfinite / --train.on_spike:
 
@@ -147,8 +148,14 @@ class Guard:
         self.events.append(event)
         return event
 
-    def over_limit(self) -> bool:
-        return len(self.events) > self.limit
+    def check_limit(self, bad: BadStep) -> None:
+        """Diverged once more than --train.nonfinite_limit steps of this invocation were bad (the last: `bad`)."""
+        if len(self.events) > self.limit:
+            raise Diverged(
+                f"{len(self.events)} bad steps in this run (the last: step {bad.step}, {bad.reason}: {bad.detail}), "
+                f"more than --train.nonfinite_limit={self.limit}: the run is diverging. The last complete checkpoint "
+                "holds no bad step; lower --train.lr, check the data, or resume from an earlier checkpoint"
+            )
 
     def summary(self) -> dict:
         """What summary.json records of this invocation's bad steps."""

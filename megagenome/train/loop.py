@@ -25,6 +25,7 @@ sum carries them all and the maximum is taken locally): no extra collective.
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
 from collections.abc import Callable, Iterable
@@ -248,6 +249,11 @@ def fit(
             if bad is not None:
                 resumed_at = _handle_bad_step(bad, guard, rollback, writer, bar)
                 if resumed_at is not None:
+                    if tokens is not None:
+                        tokens.take()  # the rolled-back steps' tokens are not the next window's
+                    if preempted:  # the stop stands: the state is that of the checkpoint rolled back to
+                        saved = dataclasses.replace(halt, save=True)  # the checkpoint rolled back to exists
+                        raise Preempted(_stop_message(saved, stop, resumed_at, plan), resumed_at, halt.exit_code)
                     window, step = _Window(), resumed_at
                     continue
             last_eval = _after_step(plan, done, halt, run_eval, save_checkpoint, writer, bar) or last_eval
@@ -296,7 +302,7 @@ def _handle_bad_step(bad, guard, rollback, writer: MetricsWriter, bar) -> int | 
             writer.write({**bad.row(), "step": back_to, "bad_step": bad.step, "skipped_batches": bad.step - back_to})
             bar.write(f"step {bad.step}: {bad.reason} ({bad.detail}); rolled back to step {back_to}")
             bar.n = back_to
-            _stop_if_over(guard, bad)
+            guard.check_limit(bad)
             return back_to
         bad.action = "skip" if bad.discarded else "stop"
         bad.detail += "; no complete checkpoint to roll back to yet"
@@ -307,19 +313,8 @@ def _handle_bad_step(bad, guard, rollback, writer: MetricsWriter, bar) -> int | 
             f"step {bad.step}: {bad.reason} ({bad.detail}); --train.on_{bad.reason} stop: no checkpoint holds it; "
             "the last complete checkpoint is the run's state"
         )
-    _stop_if_over(guard, bad)
+    guard.check_limit(bad)
     return None
-
-
-def _stop_if_over(guard, bad) -> None:
-    from megagenome.train.divergence import Diverged
-
-    if guard.over_limit():
-        raise Diverged(
-            f"{len(guard.events)} bad steps in this run (the last: step {bad.step}, {bad.reason}: {bad.detail}), more "
-            f"than --train.nonfinite_limit={guard.limit}: the run is diverging. The last complete checkpoint holds "
-            "no bad step; lower --train.lr, check the data, or resume from an earlier checkpoint"
-        )
 
 
 def _after_step(plan: LoopPlan, done: int, halt: Stop | None, run_eval, save_checkpoint, writer, bar) -> dict | None:
