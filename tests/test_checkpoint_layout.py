@@ -168,14 +168,24 @@ def test_universal_flag_without_a_checkpoint_is_a_config_error(tmp_path):
 
 
 def test_validation_refuses_another_world_size_before_any_process_group(tmp_path):
+    """Without --checkpoint.convert_on_resize, another world size is refused before any process group; with it (the
+    default) the run's own ZeRO checkpoint is to be converted, the global batch kept by the accumulation."""
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path / "genome")
     config = tiny_config(tmp_path, fasta, tmp_path / "run")
     config["train"]["ds_config"] = str(REPO / "ds_configs" / "zero1.json")
-    fake_tag(tmp_path, layout(2))  # tmp_path/run/checkpoints/step_00000003, found by --checkpoint.resume auto
-    cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", config)])
+    tag = fake_tag(tmp_path, layout(2))  # tmp_path/run/checkpoints/step_00000003, found by --checkpoint.resume auto
+    info = json.loads((tag / checkpoint.INFO).read_text())
+    (tag / checkpoint.INFO).write_text(json.dumps({**info, "samples_consumed": 12}))  # 3 steps of 2 ranks x micro 2
+    yaml_file = write_yaml(tmp_path / "r.yaml", config)
+    cfg, files = parse(["--config", yaml_file, "--checkpoint.convert_on_resize", "false"])
     with pytest.raises(ConfigError, match="saved by 2 ranks .* this run has 1 rank"):
         validate(cfg, files, world_size=1)
     validate(cfg, files, world_size=2).data.close()  # the layout that wrote it
+    cfg, files = parse(["--config", yaml_file])
+    resized = validate(cfg, files, world_size=1)
+    resized.data.close()
+    assert resized.resume.convert and resized.cfg.checkpoint.universal
+    assert resized.cfg.train.grad_accum_steps * resized.cfg.train.micro_batch_size == 4  # 2 ranks x micro 2
 
 
 def test_tensor_parallel_model_records_how_to_merge_its_shards():

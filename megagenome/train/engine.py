@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import socket
+import sys
 import types
 import typing
 from typing import Any
@@ -326,3 +327,8 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        # DeepSpeed caches its groups (the world clone, data parallel, mpu) module-wide and drops them only when the
+        # group is destroyed through deepspeed.comm; another world in this process (tests) would get stale ones.
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if groups is not None and hasattr(groups, "_release_process_group_references"):
+            groups._release_process_group_references(None)
