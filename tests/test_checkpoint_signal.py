@@ -243,18 +243,24 @@ def resume_equals(reference: dict, cfg: str, tmp, step: int) -> None:
         assert found[s] == pytest.approx(reference[s], abs=1e-6, rel=0), s
 
 
+def signal_local_sh(cfg, tmp_path, signum) -> tuple[int, str]:
+    """`bash launch/local.sh` started, `signum` sent to its pid (the supervisor) once step 2 is logged; (its exit
+    code, its stderr)."""
+    proc = start(local_sh(cfg), tmp_path)
+    try:
+        wait_until(proc, past_step(tmp_path / "run", 2), "step 2")
+        proc.send_signal(signum)
+        rc = proc.wait(timeout=240)
+    finally:
+        proc.kill()
+    return rc, (tmp_path / "err.txt").read_text()
+
+
 @pytest.mark.slow
 def test_sigusr1_to_local_sh_checkpoints_and_resume_equals_uninterrupted(run_config, reference, tmp_path):
     """The checkpoint signal to the launch script's pid (the supervisor) reaches the ranks: exit 75."""
     cfg = run_config(tmp_path)
-    proc = start(local_sh(cfg), tmp_path)
-    try:
-        wait_until(proc, past_step(tmp_path / "run", 2), "step 2")
-        proc.send_signal(signal.SIGUSR1)
-        rc = proc.wait(timeout=240)
-    finally:
-        proc.kill()
-    err = (tmp_path / "err.txt").read_text()
+    rc, err = signal_local_sh(cfg, tmp_path, signal.SIGUSR1)
     # 75 from the launcher (it passes on the first failing rank's code); a rare rank abort at interpreter teardown
     # (docs/platform.md) changes the code but not what was saved.
     assert rc == PREEMPTED_EXIT or "terminate called" in err, (rc, err[-4000:])
@@ -268,14 +274,7 @@ def test_sigterm_to_local_sh_stops_every_rank_with_a_checkpoint_and_leaves_nothi
     """The issue's `bash launch/local.sh ... & kill -TERM $!`: formerly only DeepSpeed's runner died (143) and the
     ranks trained on to the end as orphans. Now every rank stops after the same step, saves it, exits 143."""
     cfg = run_config(tmp_path)
-    proc = start(local_sh(cfg), tmp_path)
-    try:
-        wait_until(proc, past_step(tmp_path / "run", 2), "step 2")
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=240)
-    finally:
-        proc.kill()
-    err = (tmp_path / "err.txt").read_text()
+    rc, err = signal_local_sh(cfg, tmp_path, signal.SIGTERM)
     assert rc == SIGTERM_EXIT or "terminate called" in err, (rc, err[-4000:])
     assert "megagenome.supervise: SIGTERM: sent SIGTERM to 2 rank(s)" in err
     stopped_step(tmp_path, err, r"stopped: SIGTERM received: checkpoint of step (\d+) .*; exiting with 143")

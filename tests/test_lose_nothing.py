@@ -151,9 +151,15 @@ def test_metrics_stay_json_and_stop_on_nonfinite(lose):
     assert all(r[k] is None for r in flagged for k in r["nonfinite"])
     steps = sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
     assert steps and max(steps) < bad, (steps, bad)
-    from megagenome.train.divergence import DIVERGED_EXIT
 
-    assert DIVERGED_EXIT == 4
+
+def test_a_diverged_run_exits_with_4(lose, tmp_path):
+    """The same diverging config through `megagenome pretrain` (one process): the command exits with 4, saying why."""
+    config = (lose["root"] / "diverge_stop" / "config.yaml").read_text()
+    (tmp_path / "run.yaml").write_text(config.replace(str(lose["root"] / "diverge_stop"), str(tmp_path / "run")))
+    result = _cli("--config", str(tmp_path / "run.yaml"))
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "stopped: step" in result.stderr and "--train.on_nonfinite stop" in result.stderr, result.stderr[-3000:]
 
 
 def test_nonfinite_steps_skipped_never_update_the_weights(lose):

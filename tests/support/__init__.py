@@ -7,6 +7,7 @@
 - tp_checks.py     tensor-parallel layer/model/engine checks the worker runs in its process group
 - sp_checks.py     sequence-parallel attention checks the worker runs in its process group
 - assembly_checks.py  assembly.from_run_dir on a finished run, run by the worker in its process group
+- lose_checks.py   damage done between scenarios of test_lose_nothing.py (a truncated checkpoint file)
 - stand_in.py      a stand-in DeepSpeed engine for the loop's own logic (where the real one cannot run on CPU)
 - saved.py         bytes autograd saves for backward (activation-checkpointing and planner tests)
 - hang_worker.py   a 2-rank pretrain in which one rank hangs (the watchdog test)
