@@ -606,7 +606,8 @@ def write_results(rows: list[dict], meta: dict, results: pathlib.Path, name: str
         f"- plot: {name}.png" if not png_note else f"- plot: not written ({png_note})",
         "",
         "tokens/s: global (all ranks), median over the timed steps (and over repeats). TFLOP/s per device, MFU and "
-        "HFU from metrics.jsonl (model FLOPs 6N + 12·L·d·s per token; HFU adds what checkpointing recomputes), "
+        "HFU from metrics.jsonl (model FLOPs 6N + 6·L·d·s per token, causal attention at half as Megatron-LM "
+        "counts it; 6N + 12·L·d·s before 2026-12-01 and for mlm; HFU adds what checkpointing recomputes), "
         "divided by the peak in the peak column (its source: datasheet, override, or a matmul rate measured at "
         "start on CPU). Peak memory per rank (rank 0/rank 1/...): max_memory_allocated on a GPU, peak RSS on CPU, "
         "reset before each cell; 'at start' is what was in use when the cell began (earlier cells' leftovers, the "

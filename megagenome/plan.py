@@ -21,6 +21,7 @@ from megagenome.metrics import peak_tflops
 from megagenome.model.transformer import padded_vocab_size
 from megagenome.parallel.layout import LayoutError, ParallelLayout
 from megagenome.planner.activations import ModelShape, n_params
+from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
 from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
 from megagenome.planner.states import DTYPE_BYTES, STATES, Precision
 from megagenome.planner.timing import Cluster
@@ -58,6 +59,7 @@ def shape_of(cfg: RootConfig) -> ModelShape:
         tie_embeddings=m.tie_embeddings,
         max_seq_len=m.max_seq_len,
         dropout=m.dropout,
+        causal=m.objective == "clm",
     )
 
 
@@ -81,6 +83,8 @@ def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tu
         problems.append(f"--gpu={cluster.gpu!r}: not in the peak table of megagenome/metrics.py; give --peak_tflops")
     if cluster.peak_tflops is not None and not cluster.peak_tflops > 0:
         problems.append(f"--peak_tflops={cluster.peak_tflops}: must be positive")
+    if cluster.hbm_tbps is not None and not cluster.hbm_tbps > 0:
+        problems.append(f"--hbm_tbps={cluster.hbm_tbps}: must be positive")
     m, par = cfg.model, cfg.parallel
     shape_ok = m.d_model > 0 and m.n_head > 0 and m.n_layer > 0 and not m.d_model % m.n_head
     if not shape_ok:
@@ -180,6 +184,7 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
         "your_config": yours,
         "recommendation": None,
         "scaling": [],
+        "breakdown": None,
     }
     if best is not None:
         stage, offload = best["stage"], best["offload"] != "none"
@@ -202,7 +207,28 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
         by_stage = {s: scaling(setup, Candidate(s, False, best["checkpointing"], best["micro_batch"])) for s in stages}
         for i, row in enumerate(out["scaling"]):
             row["efficiency_by_stage"] = {str(s): by_stage[s][i]["efficiency"] for s in stages}
+    out["breakdown"] = _breakdown(setup, yours or out["recommendation"], "your config" if yours else "recommendation")
     return out
+
+
+def _breakdown(setup: Setup, row: dict | None, which: str) -> dict | None:
+    """The bottom-up step time (planner/breakdown.py) of `row`, eager and fused, or None without a row or without
+    an HBM bandwidth for the GPU."""
+    bandwidth = setup.cluster.hbm_tbps or hbm_tbps(setup.cluster.gpu)
+    if row is None or bandwidth is None:
+        return None
+    prec = setup.precision.at_stage(row["stage"])
+    comm_s = row["dp_comm_exposed_s"] + row["tensor_comm_s"] + row["offload_s"]
+    rates = Rates(setup.peak_tflops, bandwidth)
+    args = (setup.shape, setup.seq, row["micro_batch"], row["grad_accum"], row["stage"], row["checkpointing"], rates)
+    kw = {"dp": row["gpus"] // setup.tp, "tp": setup.tp, "comm_s": comm_s, "weight_bytes": prec.p}
+    return {
+        "for": which,
+        "hbm_tbps": bandwidth,
+        "assumptions": {k: v for k, v in dataclasses.asdict(rates).items() if k not in ("peak_tflops", "hbm_tbps")},
+        "top_down_step_ms": 1e3 * row["step_s"],
+        **{kind: breakdown(*args, **kw, fused=kind == "fused", grad_accum_bytes=prec.g) for kind in ("eager", "fused")},
+    }
 
 
 def _your_config(setup: Setup, cfg: RootConfig, ds: dict, dp: int) -> dict | None:
@@ -259,6 +285,8 @@ def render(plan: dict) -> str:
     lines += [f"note: {n}" for n in plan["notes"]]
     if plan["your_config"] is not None:
         lines += ["", "your config:", _row_text(plan["your_config"])]
+    if plan["breakdown"] is not None:
+        lines += ["", *_breakdown_text(plan["breakdown"])]
     rec = plan["recommendation"]
     lines.append("")
     if rec is None:
@@ -286,6 +314,31 @@ def render(plan: dict) -> str:
             f"{r['comm_exposed_s']:15.3f} {r['efficiency']:11.1%}  {stages}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _breakdown_text(b: dict) -> list[str]:
+    """The breakdown table: each term in ms and % of the step, eager and fused, and the MFU the step implies."""
+    a, eager, fused = b["assumptions"], b["eager"], b["fused"]
+    lines = [
+        f"Predicted step time of {b['for']} by kind of work, per GPU (bottom-up, megagenome/planner/breakdown.py; "
+        f"predicted, not measured): weight matmuls at {a['matmul']:.0%} of the peak, attention kernels at "
+        f"{a['attention_fwd']:.0%} forward / {a['attention_bwd']:.0%} backward, elementwise and optimizer at "
+        f"{a['bandwidth']:.0%} of {b['hbm_tbps']:g} TB/s HBM",
+        f"  {'term':<14} {'eager ms':>10} {'%':>6}  {'fused ms':>10} {'%':>6}",
+    ]
+    for term in TERMS:
+        lines.append(
+            f"  {term:<14} {eager['ms'][term]:10.1f} {eager['share'][term]:6.1%}  "
+            f"{fused['ms'][term]:10.1f} {fused['share'][term]:6.1%}"
+        )
+    lines += [
+        f"  {'step':<14} {eager['step_ms']:10.1f} {'':>6}  {fused['step_ms']:10.1f}",
+        f"  {'MFU causal':<14} {eager['mfu']:10.1%} {'':>6}  {fused['mfu']:10.1%}   (Megatron-LM: 6N + 6*L*d*s)",
+        f"  {'MFU full attn':<14} {eager['mfu_full_attn']:10.1%} {'':>6}  {fused['mfu_full_attn']:10.1%}   "
+        "(PaLM: 6N + 12*L*d*s)",
+        f"  the top-down prediction at the assumed MFU above: {b['top_down_step_ms']:.1f} ms",
+    ]
+    return lines
 
 
 def run(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, grad_accum_dtype=None, as_json=False):

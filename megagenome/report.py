@@ -7,10 +7,11 @@ while a run is in progress) and config.yaml (the model's shape), and writes into
     bits_per_base.png  held-out bits per base, the order-k Markov baselines of summary.json as horizontal lines
     lr.png             learning rate
     tokens_per_s.png   throughput, all ranks together
-    mfu.png            MFU and HFU, % of the peak the run divided by
+    mfu.png            MFU and HFU (causal attention counted at half, as Megatron-LM does) and MFU counting every
+                       attention score (PaLM), % of the peak the run divided by
     memory.png         peak memory, largest rank and rank 0
     report.md          model size, steps, tokens, final train loss, held-out bits/base against the baselines,
-                       throughput, MFU, peak memory, and links to the PNGs
+                       throughput, MFU (both conventions), peak memory, and links to the PNGs
 
 A plot whose metric no row carries (MFU without a known peak, memory where it is not measured) is not drawn, and
 report.md says why. matplotlib draws on its Agg canvas (no display, no pyplot state).
@@ -62,7 +63,11 @@ PLOTS = (
         "mfu",
         "FLOPs utilisation",
         "% of peak",
-        (("train", "mfu", "MFU"), ("train", "hfu", "HFU")),
+        (
+            ("train", "mfu", "MFU"),
+            ("train", "hfu", "HFU"),
+            ("train", "mfu_full_attn", "MFU, every score counted (PaLM)"),
+        ),
         scale=100.0,
         from_zero=True,
     ),
@@ -201,11 +206,16 @@ def facts(records: RunRecords) -> list[tuple[str, str]]:
         out.append(("throughput", f"{tps:,.0f} tokens/s (median over logged intervals after the first, all ranks)"))
     mfu = _median([r["mfu"] for r in timed if _number(r.get("mfu"))])
     hfu = _median([r["hfu"] for r in timed if _number(r.get("hfu"))])
+    full = _median([r["mfu_full_attn"] for r in timed if _number(r.get("mfu_full_attn"))])
     if mfu is not None:
         peak = f" of {last['peak_tflops']:.4g} TFLOP/s per device" if _number(last.get("peak_tflops")) else ""
         source = f" ({last['peak_source']})" if last.get("peak_source") else ""
         shown_hfu = f" (HFU {100 * hfu:.2f}%)" if hfu is not None else ""
         out.append(("MFU", f"{100 * mfu:.2f}%{shown_hfu}{peak}{source}, median"))
+        if full is not None and full != mfu:
+            out.append(
+                ("MFU, every score", f"{100 * full:.2f}% (PaLM's count; MFU above counts causal attention at half)")
+            )
     else:
         out.append(("MFU", "not recorded (no peak TFLOP/s known to the run)"))
     mem = [r["mem_peak_bytes_max"] for r in train if _number(r.get("mem_peak_bytes_max"))]

@@ -53,6 +53,7 @@ def summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict
         "tflops_per_gpu_median": median("tflops_per_gpu"),
         "mfu_median": median("mfu"),
         "hfu_median": median("hfu"),
+        "mfu_full_attn_median": median("mfu_full_attn"),  # every attention score counted (PaLM)
         "peak_tflops": last.get("peak_tflops"),
         "peak_source": last.get("peak_source"),
         "real_token_fraction": sum(real) / padded if padded and real and None not in real else None,
@@ -99,6 +100,12 @@ def print_summary(s: dict) -> None:
             f"{s['tflops_per_gpu_median']:.3g} TFLOP/s per device of {s['peak_tflops']:.3g}, {s['peak_source']})",
             file=out,
         )
+        if s.get("mfu_full_attn_median") is not None and s["mfu_full_attn_median"] != s["mfu_median"]:
+            print(
+                f"                   causal attention counted at half (Megatron-LM); "
+                f"{100 * s['mfu_full_attn_median']:.2f}% counting every score (PaLM)",
+                file=out,
+            )
     if s.get("real_token_fraction") is not None:
         print(f"real tokens        {100 * s['real_token_fraction']:.2f}% of positions carry loss", file=out)
     if s.get("mem_peak_bytes_max"):

@@ -3,7 +3,8 @@
 1. Tier 1, hand counts: the formulas on a tiny model, with the arithmetic written out.
 2. Tier 2, torch's FlopCounterMode on the real model (CPU): the FLOPs of a forward + backward under each
    --model.checkpointing policy, minus those without checkpointing, are the forward FLOPs of exactly the modules
-   that policy recomputes, and equal recompute_flops_per_token. Measured with torch's own per-op formulas, so
+   that policy recomputes, and equal recompute_flops_per_token (counting every score, as torch's SDPA formula
+   does; tests/test_flop_count.py pins both conventions). Measured with torch's own per-op formulas, so
    the check is independent of ours. FlopCounterMode counts matmuls only (mm, bmm, SDPA), so the formulas'
    norm-scale parameters, which do no matmul, are the one known, stated difference.
 3. Tier 2, DeepSpeed's flops profiler on a real engine at ZeRO 0, 1 and 2 (gloo world of one on CPU).
@@ -53,13 +54,20 @@ def test_hand_counts_of_a_tiny_model():
     assert model.num_parameters() == N
     assert sum(p.numel() for p in model.blocks[0].parameters()) == P
     L, d, s = 2, 32, 64
-    # Model: 6N = 199104; attention 12*L*d*s = 12*2*32*64 = 49152.
-    assert flops_per_token(N, L, d, s) == 199104 + 49152 == 248256
-    # Forward: 2N = 66368; 4*L*d*s = 16384.
-    assert forward_flops_per_token(N, L, d, s) == 66368 + 16384 == 82752
+    # Model, causal (the default, Megatron-LM): 6N = 199104; attention 6*L*d*s = 6*2*32*64 = 24576.
+    assert flops_per_token(N, L, d, s) == flops_per_token(N, L, d, s, causal=True) == 199104 + 24576 == 223680
+    # Forward, causal: 2N = 66368; 2*L*d*s = 8192.
+    assert forward_flops_per_token(N, L, d, s) == 66368 + 8192 == 74560
+    # causal=False (PaLM), every score: attention 12*L*d*s = 49152, forward 4*L*d*s = 16384.
+    assert flops_per_token(N, L, d, s, causal=False) == 199104 + 49152 == 248256
+    assert forward_flops_per_token(N, L, d, s, causal=False) == 66368 + 16384 == 82752
+    # Causal recompute: full reruns each block, L*(2P + 2ds) = 2*(32896 + 4096) = 73984; selective the cores, 8192.
+    assert hardware_flops_per_token(N, L, d, s, "full", P) == 223680 + 73984
+    assert hardware_flops_per_token(N, L, d, s, "selective", P) == 223680 + 8192
+    assert hardware_flops_per_token(N, L, d, s, "none", P, pipeline_segments=True) == 223680 + 74560
 
-    def hw(policy, **kw):
-        return hardware_flops_per_token(N, L, d, s, policy, P, d_ff=128, **kw)
+    def hw(policy, **kw):  # the full-attention count from here on
+        return hardware_flops_per_token(N, L, d, s, policy, P, causal=False, d_ff=128, **kw)
 
     assert hw("none") == 248256
     # full, reentrant (DeepSpeed's checkpoint): each block's forward again, L*(2P + 4ds) = 2*(32896 + 8192) = 82176.
@@ -119,13 +127,14 @@ def counted(policy: str, checkpoint_fn=None, dropout: float = 0.0, early_stop: b
 
 
 def test_model_flops_are_what_the_model_runs():
-    """6N + 12*L*d*s per token, less the norm scales' 6 * (2L + 1) * d, which do no matmul (SDPA's math kernel, a
-    chain of bmm, so that its backward is counted as it runs: twice its forward)."""
+    """6N + 12*L*d*s per token (causal=False: SDPA's math kernel computes every score), less the norm scales'
+    6 * (2L + 1) * d, which do no matmul (the math kernel is a chain of bmm, so that its backward is counted as it
+    runs: twice its forward). tests/test_flop_count.py pins the causal convention with a block-causal kernel."""
     with sdpa_kernel(SDPBackend.MATH):
         _, total = counted("none")
     n = DNATransformer(ModelConfig(d_model=D, n_layer=LAYERS, n_head=2, max_seq_len=T), VOCAB_SIZE).num_parameters()
     norm_scales = (2 * LAYERS + 1) * D
-    assert total == TOKENS * (flops_per_token(n, LAYERS, D, T) - 6 * norm_scales)
+    assert total == TOKENS * (flops_per_token(n, LAYERS, D, T, causal=False) - 6 * norm_scales)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +165,8 @@ CASES = [
 def test_recompute_is_the_forward_of_exactly_the_recomputed_modules(policy, impl, request):
     """Hardware - model FLOPs, measured, = the forward FLOPs of the blocks (full, every_k) or of the attention
     cores (selective), as counted in the same forward = recompute_flops_per_token less the recomputed blocks'
-    norm scales (2 * 2d per block, in P but no matmul). impl: torch's checkpoint as the model runs it by default
+    norm scales (2 * 2d per block, in P but no matmul), in the full convention (causal=False: torch's SDPA formula
+    counts every score of the CPU kernel). impl: torch's checkpoint as the model runs it by default
     (early stopping), without early stopping, with dropout 0.1, or DeepSpeed's (reentrant) checkpoint."""
     fn = request.getfixturevalue("deepspeed_checkpoint") if impl == "deepspeed" else None
     dropout = 0.1 if impl == "torch-dropout" else 0.0
@@ -188,6 +198,7 @@ def test_recompute_is_the_forward_of_exactly_the_recomputed_modules(policy, impl
         checkpoint_every=K,
         early_stop=impl != "deepspeed" and early_stop,
         dropout=dropout,
+        causal=False,
     )
     norm_scales = 0 if policy == "selective" else LAYERS * 2 * D
     assert total - baseline == TOKENS * (formula - 2 * norm_scales)
@@ -243,7 +254,7 @@ def test_forward_flops_match_deepspeeds_profiler(stage, deepspeed_world, capsys)
     engine.step()  # the engine trains on after profiling
 
     tokens = b * s
-    ours = forward_flops_per_token(n, L, d, s) * tokens
+    ours = forward_flops_per_token(n, L, d, s, causal=False) * tokens  # the profiler counts every score
     assert ours - 2 * macs == 2 * (2 * L + 1) * d * tokens
     assert abs(ours / (2 * macs) - 1) < 0.01 and abs(ours / flops - 1) < 0.01
     with capsys.disabled():

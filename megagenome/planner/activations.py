@@ -5,17 +5,19 @@ bytes a torch.autograd.graph.saved_tensors_hooks count sees, one count per stora
 b the micro batch, s the sequence length, d = d_model, a = n_head, f = d_ff, e the activation element size (4 fp32,
 2 bf16/fp16), N = b*s*d and H = b*s*f, one block without checkpointing keeps
 
-    2 RMSNorms      2 x (8N + 4bs [+ 4d])  input (a float32 copy under bf16), 1/rms (fp32), normalised x (fp32)
-                                             [+ the weight's fp32 copy under bf16]
+    2 RMSNorms      2 x (8N + 4bs)         input (a float32 copy under bf16), 1/rms (fp32), normalised x (fp32):
+                                             torch's rms_norm op by op, as on CPU (CUDA's fused kernel keeps less)
     qkv input       N*e                      the attention norm's output
-    rotary tables   rows * head_dim * r      cos and sin (fp32 buffers, whole max_seq_len rows, r = 4; under
-                                             bf16 an s-row copy, r = 2); q and k rotate with the same tables
+    rotary tables   max_seq_len * head_dim * e   cos and sin, whole tables in the activation dtype (the buffers,
+                                             or their cast cached once); q and k rotate with the same tables
     attention core  flash/SDPA-efficient: q, k, the fused qkv output (v is a view of it), output: 6N*e,
                     plus the log-sum-exp 4*b*a*s (fp32) -- no s x s term
                     math kernel (SDPA math, what CPU SDPA runs with dropout): scaled q, k^T and v copies 3N*c
                     plus c*b*a*s^2 per saved s x s tensor: softmax (1), and with dropout its mask and output (3);
                     c = 4 on CPU, where the math kernel computes in fp32 whatever the model dtype
-    proj input      N*e                      heads transposed back (a copy)
+    proj input      N*e                      heads transposed back (a copy) after the math kernel; none after
+                                             flash/SDPA-efficient, which given q, k, v as (B, T, n_head, head_dim)
+                                             strided views write their output in that layout, so proj reads it
     mlp input       N*e
     SwiGLU          4H*e                     gate pre-activation, silu(gate), up, and w_down's input
     dropout masks   2N*m                     the two residual dropouts when dropout > 0 (m = e on CPU, 1 on CUDA)
@@ -25,8 +27,9 @@ SwiGLU replaces the 4h GeLU MLP, and the fp32 RMSNorm statistics cost more than 
 
 Checkpointing: full keeps each block's input (N*e) instead of S_block; every_k keeps the input of each segment of
 k blocks; selective recomputes the attention core, keeping its inputs q, k and the fused qkv output (5N*e) instead
-of what the core saves. Outside the blocks, whatever the policy: the token ids (8bs), the final norm, the LM head's
-input (N*e), the fp32 log-softmax (4*b*s*vocab), labels (8bs), loss weights (4bs) and two fp32 scalars.
+of what the core saves (after flash/SDPA-efficient, proj still keeps the core's output as its input). Outside the
+blocks, whatever the policy: the token ids (8bs), the final norm, the LM head's input (N*e), the fp32 log-softmax
+(4*b*s*vocab), labels (8bs), loss weights (4bs) and two fp32 scalars.
 
 With tensor parallelism over t ranks (Megatron layout, no sequence parallelism) the core, the proj input and the
 SwiGLU hidden states shrink by t; norms, block inputs, dropout masks and the qkv/mlp inputs are replicated.
@@ -56,6 +59,9 @@ class ModelShape:
     tie_embeddings: bool = True
     max_seq_len: int = 1024
     dropout: float = 0.0
+    causal: bool = True
+    """Count attention FLOPs in the causal convention (Megatron-LM, metrics.py): a clm model; False for mlm, or to
+    reproduce a count that took every score (the Megatron-LM 2019 calibration in tests/test_plan.py)."""
 
 
 def _param_table(shape: ModelShape, tp: int = 1) -> list[tuple[int, bool]]:
@@ -134,9 +140,9 @@ def block_terms(
     c = e if math_bytes is None else math_bytes
     m = e if mask_bytes is None else mask_bytes
     n, h = b * s * d, b * s * shape.d_ff
-    norm = 8 * n + 4 * b * s + (4 * d if e != 4 else 0)
+    norm = 8 * n + 4 * b * s
     head_dim = d // a
-    rope_rows, rope_bytes = (shape.max_seq_len, 4) if e == 4 else (s, e)
+    rope_rows, rope_bytes = shape.max_seq_len, e
     if kernel == "flash":
         core = 6 * n * e // tp + 4 * b * a * s // tp
     else:
@@ -147,7 +153,7 @@ def block_terms(
         "qkv_input": n * e,
         "rotary": rope_rows * head_dim * rope_bytes,
         "attention_core": core,
-        "proj_input": n * e // tp,
+        "proj_input": n * e // tp if kernel != "flash" else 0,
         "mlp_input": n * e,
         "swiglu": 4 * h * e // tp,
         "dropout_masks": 2 * n * m if shape.dropout > 0 else 0,
@@ -183,7 +189,9 @@ def activation_bytes(
     if policy == "none":
         kept = layers * block
     elif policy == "selective":
-        kept = layers * (block - terms["attention_core"] + 5 * n * e // tp)
+        # The core's output is no longer saved by the core; after flash/SDPA-efficient proj keeps it as its input.
+        proj_keeps = n * e // tp if kernel == "flash" else 0
+        kept = layers * (block - terms["attention_core"] + 5 * n * e // tp + proj_keeps)
     elif policy == "full":
         kept = layers * n * e
     else:
@@ -192,8 +200,7 @@ def activation_bytes(
     outside = (
         8 * b * s  # token ids (int64)
         + 8 * n
-        + 4 * b * s
-        + (4 * d if e != 4 else 0)  # final RMSNorm
+        + 4 * b * s  # final RMSNorm
         + n * e  # LM head input
         + 4 * b * s * vocab_cols  # fp32 log-softmax of the logits
         + 8 * b * s  # labels (int64)
@@ -213,8 +220,9 @@ def activation_bytes(
 
 def recompute_flops_per_token(shape: ModelShape, seq: int, policy: str, early_stop: bool = True) -> float:
     """Extra FLOPs per token that recomputation adds: metrics.recompute_flops_per_token (the one formula, also
-    behind every run's HFU) for this shape; early_stop: torch's checkpoint (the default without an
-    activation_checkpointing block in the DeepSpeed JSON) skips the last w_down of each segment."""
+    behind every run's HFU) for this shape, in its convention (shape.causal); early_stop: torch's checkpoint (the
+    default without an activation_checkpointing block in the DeepSpeed JSON) skips the last w_down of each
+    segment."""
     return metrics.recompute_flops_per_token(
         n_params(shape),
         shape.n_layer,
@@ -225,4 +233,5 @@ def recompute_flops_per_token(shape: ModelShape, seq: int, policy: str, early_st
         d_ff=shape.d_ff,
         early_stop=early_stop,
         dropout=shape.dropout,
+        causal=shape.causal,
     )

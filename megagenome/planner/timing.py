@@ -1,7 +1,10 @@
 """Step time: compute, tensor-parallel and data-parallel communication, offload traffic (layer L1, pure arithmetic).
 
-Compute: per GPU and micro batch, (6N + 12*L*d*s + recomputation) FLOPs per token x tokens / tensor degree, run at
-`mfu` x the GPU's dense bf16 peak. Recomputed FLOPs run at the same rate, so checkpointing costs time.
+Compute: per GPU and micro batch, (6N + 6*L*d*s + recomputation) FLOPs per token x tokens / tensor degree, run at
+`mfu` x the GPU's dense bf16 peak: causal attention counted at half, as Megatron-LM does (metrics.py; 6N + 12*L*d*s
+for a bidirectional mlm model, ModelShape.causal False), so `mfu` is in that convention. Recomputed FLOPs run at
+the same rate, so checkpointing costs time. breakdown.py splits a step bottom-up instead, each kind of work at its
+own rate.
 
 Data-parallel gradient communication, ring algorithms, bytes each rank sends for a message of S bytes over n ranks
 (nccl-tests' bus-bandwidth convention, so `megagenome preflight`'s busbw plugs in directly):
@@ -60,8 +63,12 @@ class Cluster:
     latency_us: float = 5.0
     """Per-step latency of a ring collective in microseconds (paid 2(n-1) times by an all-reduce, per bucket)."""
     mfu: float = 0.45
-    """Fraction of the peak the GPU sustains on the training FLOPs (assumed, not measured; recomputed FLOPs run at
-    the same rate). 0.3-0.5 is typical of well-tuned dense transformers."""
+    """Fraction of the peak the GPU sustains on the training FLOPs, causal attention counted at half (Megatron-LM's
+    convention; assumed, not measured; recomputed FLOPs run at the same rate). 0.3-0.5 is typical of well-tuned
+    dense transformers."""
+    hbm_tbps: float | None = None
+    """HBM bandwidth per GPU in TB/s for the step-time breakdown's elementwise and optimizer terms; default: the
+    datasheet figure of --gpu (planner/breakdown.py HBM_TBPS: H200 4.8, H100 SXM 3.35, A100 SXM 2.0, ...)."""
     cpu_memory_gb: float = 1024.0
     """Host memory per node in GiB (offloaded states of all the node's ranks must fit)."""
     pcie_gbps: float = 25.0
@@ -138,7 +145,7 @@ def step_time(
     p_rank = n_params(shape, tp)
     prec = precision.at_stage(stage)
     c = comm_bytes or prec.p
-    model_flops = flops_per_token(psi, shape.n_layer, shape.d_model, seq)  # forward 1/3, backward 2/3
+    model_flops = flops_per_token(psi, shape.n_layer, shape.d_model, seq, shape.causal)  # forward 1/3, backward 2/3
     seconds_per_token_flop = micro * seq / tp / (peak_tflops * 1e12 * cluster.mfu)
     t_micro = (model_flops + recompute_flops_per_token(shape, seq, policy)) * seconds_per_token_flop
     t_fwd = model_flops / 3.0 * seconds_per_token_flop
