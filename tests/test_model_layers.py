@@ -76,7 +76,7 @@ def test_rotary_rejects_odd_head_dim():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernel", ["sdpa", "auto"])
+@pytest.mark.parametrize("kernel", ["sdpa", "auto", "math"])
 def test_sdpa_matches_reference(causal, kernel):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 24, 16) for _ in range(3))

@@ -68,7 +68,8 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale and no bias, computed in float32.
 
     Squaring bf16/fp16 activations loses precision (and can overflow in fp16), so the statistics
-    and the scaling are done in float32 and the result is cast back to the input dtype.
+    and the scaling are done in float32 and the result is cast back to the input dtype. Runs as
+    torch's fused rms_norm (one kernel forward and one backward on CUDA, instead of about ten).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5):
@@ -77,9 +78,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # (..., dim)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., dim)
-        return (xf * self.weight.float()).to(x.dtype)  # (..., dim)
+        # torch's rms_norm: one fused kernel on CUDA (statistics and scaling in float32, result in x's dtype), on CPU
+        # the same float32 formula op by op; bit-identical to x.float() * rsqrt(mean(x^2) + eps) * weight, cast back.
+        if self.weight.dtype == x.dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # (..., dim)
+        # A float32 scale with 16-bit activations: the fused kernel wants one dtype, so normalise in float32.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)  # (..., dim)
 
 
 class RotaryEmbedding(nn.Module):
@@ -100,21 +104,95 @@ class RotaryEmbedding(nn.Module):
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (max_seq_len, head_dim/2)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self._cast: tuple = (None, None)  # (key, (cos, sin)): the tables cast to another dtype (tables())
+
+    def tables(self, dtype: torch.dtype, offset: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, (T, head_dim/2) in `dtype`, for positions offset..offset+T-1.
+
+        Slices of the buffers (views, no kernel) when they already have the activation dtype, as under DeepSpeed's
+        bf16/fp16, which casts buffers with the module; otherwise a cast of the whole tables made once per dtype
+        and cached, instead of a slice-and-cast per use (torch.compile folds the cast into the rotation instead).
+        """
+        if offset + T > self.cos.size(0):
+            raise ValueError(f"positions up to {offset + T} exceed the rotary tables ({self.cos.size(0)} positions)")
+        cos, sin = self.cos, self.sin
+        if cos.dtype != dtype:
+            if torch.compiler.is_compiling():
+                cos, sin = cos.to(dtype), sin.to(dtype)
+            else:
+                key = (dtype, cos.device, cos.data_ptr())  # a moved or re-cast buffer has another address
+                if self._cast[0] != key:
+                    self._cast = (key, (cos.to(dtype), sin.to(dtype)))
+                cos, sin = self._cast[1]
+        return cos[offset : offset + T], sin[offset : offset + T]  # 2 x (T, head_dim/2)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Rotate x, shape (B, H, T, head_dim), at positions offset..offset+T-1.
+        """Rotate x, shape (B, H, T, head_dim), at positions offset..offset+T-1 (the model rotates its packed qkv
+        with rotate_qkv instead; this form serves tests and callers holding separate q or k).
 
         A nonzero offset serves sequence parallelism: a rank holding chunk i of every sequence rotates its
         queries and keys at their global positions i*T.., so attention scores match the unsplit sequence.
         """
-        T = x.size(-2)
-        if offset + T > self.cos.size(0):
-            raise ValueError(f"positions up to {offset + T} exceed the rotary tables ({self.cos.size(0)} positions)")
-        cos = self.cos[offset : offset + T].to(x.dtype)  # (T, head_dim/2)
-        sin = self.sin[offset : offset + T].to(x.dtype)  # (T, head_dim/2)
+        cos, sin = self.tables(x.dtype, offset, x.size(-2))  # 2 x (T, head_dim/2)
         x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, H, T, head_dim/2)
         # (x1 + i x2) * (cos + i sin), written out: the rotate_half form x*cos + rotate_half(x)*sin.
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, H, T, head_dim)
+
+    def rotate_qkv(self, qkv: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k of the packed projection output qkv, (B, T, n_head, 3, head_dim), rotated together at positions
+        offset..offset+T-1, and v; each (B, T, n_head, head_dim), views (head_dim contiguous), same math as forward.
+
+        Eagerly this is one autograd node (_RotaryQK): q and k rotate in one set of elementwise ops, nothing is saved
+        but the tables (the rotation's derivative is the inverse rotation), and backward writes the gradient of the
+        packed qkv in place, where SDPA's separate dq, dk, dv would otherwise be stacked and re-laid out. Under
+        torch.compile the plain formula is traced instead, for inductor to fuse with its neighbours.
+        """
+        cos, sin = self.tables(qkv.dtype, offset, qkv.size(1))  # 2 x (T, head_dim/2)
+        cos, sin = cos[:, None, None], sin[:, None, None]  # 2 x (T, 1, 1, head_dim/2)
+        if torch.compiler.is_compiling():
+            x1, x2 = qkv[..., :2, :].chunk(2, dim=-1)  # 2 x (B, T, n_head, 2, head_dim/2)
+            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, n_head, 2, head_dim)
+            return qk[..., 0, :], qk[..., 1, :], qkv[..., 2, :]
+        return _RotaryQK.apply(qkv, cos, sin)
+
+
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """out = x rotated by (cos, sin) in the rotate_half convention, written into out (a view) without a cat.
+
+    out1 = x1*cos - x2*sin and out2 = x2*cos + x1*sin, each product rounded as RotaryEmbedding.forward rounds it, so
+    the result is bit-identical to it; sin = -sin gives the inverse rotation.
+    """
+    half = x.size(-1) // 2
+    x1, x2 = x[..., :half], x[..., half:]  # 2 x (..., head_dim/2)
+    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
+
+
+class _RotaryQK(torch.autograd.Function):
+    """Rotary embedding of the q and k of a packed qkv, (B, T, n_head, 3, head_dim): returns q, k (views of one new
+    (B, T, n_head, 2, head_dim) tensor) and v (a view of qkv). Backward assembles d(qkv) in one buffer."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        qk = qkv.new_empty(*qkv.shape[:3], 2, qkv.size(-1))  # (B, T, n_head, 2, head_dim)
+        _rotate_into(qk, qkv[..., :2, :], cos, sin)
+        ctx.save_for_backward(cos, sin)
+        return qk[..., 0, :], qk[..., 1, :], qkv[..., 2, :]  # 3 x (B, T, n_head, head_dim)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        grad = dq.new_empty(*dq.shape[:3], 3, dq.size(-1))  # (B, T, n_head, 3, head_dim), the qkv layout
+        for i, d in enumerate((dq, dk)):
+            if d is None:
+                grad[..., i, :].zero_()
+            else:
+                _rotate_into(grad[..., i, :], d, cos[..., 0, :], -sin[..., 0, :])  # (T, 1, head_dim/2) tables
+        if dv is None:
+            grad[..., 2, :].zero_()
+        else:
+            grad[..., 2, :].copy_(dv)
+        return grad, None, None
 
 
 class SelfAttention(nn.Module):
@@ -159,10 +237,11 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, n_head, 3, head_dim)
-        qkv = qkv.permute(3, 0, 2, 1, 4)  # (3, B, n_head, T, head_dim)
-        q, k, v = qkv.unbind(0)  # 3 x (B, n_head, T, head_dim)
         offset = self.sequence_rank * T  # global position of this chunk's first token
-        q, k = self.rotary(q, offset), self.rotary(k, offset)  # (B, n_head, T, head_dim)
+        q, k, v = self.rotary.rotate_qkv(qkv, offset)  # 3 x (B, T, n_head, head_dim), views
+        # Strided views in the kernels' (B, n_head, T, head_dim) layout: no copy, and flash-attn gets them back as
+        # (B, T, n_head, head_dim) views.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # 3 x (B, n_head, T, head_dim)
         core = self._core
         if self.recompute_core is not None and torch.is_grad_enabled():
             # Only the local core is recomputed; sequence-parallel all-to-alls around it run once.

@@ -77,6 +77,24 @@ class DNATransformer(nn.Module):
         for block in self.blocks:
             init_normal_(block.attn.proj, residual_std)
             init_normal_(block.mlp.w_down, residual_std)
+        if cfg.compile:
+            self.compile_blocks()
+
+    def compile_blocks(self) -> None:
+        """Regional compilation (--model.compile): torch.compile each Block in place, so inductor fuses the norms with
+        the residual adds, the rotary embedding and SwiGLU into a few kernels per block.
+
+        The repeated block is compiled, not the whole model (torch's recommended "regional compilation"): all blocks
+        share one compiled graph, so compiling costs one block's worth whatever n_layer, and the embedding, the loss
+        and the checkpointing policy stay in eager around it. Module.compile keeps parameter names (checkpoints, the
+        export and tensor-parallel slicing see the same state dict). dynamic=False: shapes are fixed per run. The
+        whole block is one graph (fullgraph) except with selective checkpointing, whose checkpoint function (torch's
+        or DeepSpeed's) runs inside the block and may split it. Compilation happens at the first forward; call this
+        before deepspeed.initialize, which only wraps the module.
+        """
+        fullgraph = self.cfg.checkpointing != "selective"
+        for block in self.blocks:
+            block.compile(fullgraph=fullgraph, dynamic=False)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, RMSNorm):

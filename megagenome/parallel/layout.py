@@ -135,6 +135,12 @@ class ParallelLayout:
             problems += _tensor_problems(layout, model, vocab_rows)
         problems += _pipeline_problems(parallel, model)
         problems += _zero_problems(layout, zero or {}, zero_source)
+        if model.compile and layout.zero_stage == 3:
+            problems.append(
+                f"--model.compile with {zero_source}: zero_optimization.stage=3 gathers each layer's parameters in "
+                "forward hooks that DeepSpeed 0.19 marks torch.compiler.disable, so a compiled block cannot run as "
+                "one graph; use ZeRO stage 0-2 or drop --model.compile"
+            )
         if problems:
             raise LayoutError(problems)
         return layout
