@@ -175,3 +175,62 @@ def test_summary_shows_mfu_hfu_and_the_peak_source(capsys):
     out = capsys.readouterr().out
     assert "MFU                25.00%  (HFU 30.00%" in out and "measured-cpu-matmul" in out
     assert "99.00% of positions carry loss" in out and "2.00 GiB" in out
+
+
+class NanEngine(StandInEngine):
+    """The stand-in engine whose loss is NaN on chosen calls (forward passes, one per step here)."""
+
+    def __init__(self, nan_calls):
+        super().__init__()
+        self.nan_calls, self.forwards = set(nan_calls), 0
+
+    def __call__(self, **batch):
+        self.forwards += 1
+        loss, _, weight = super().__call__(**batch)
+        if self.forwards in self.nan_calls:
+            loss = loss * float("nan")
+        return loss, loss.detach(), weight
+
+
+@pytest.mark.parametrize("action", ["rollback", "skip"])
+def test_bad_steps_are_judged_at_the_next_sync_point_in_step_order(tmp_path, action):
+    """Steps 2 and 3 have non-finite losses; with --train.sync_interval 4 they are judged after step 4: a rollback
+    reloads the checkpoint before the FIRST bad step (rollback(2)) and continues from it, skip logs each."""
+    from megagenome.config import TrainConfig
+    from megagenome.train.divergence import Guard
+
+    engine = NanEngine({2, 3})
+    guard = Guard(TrainConfig(on_nonfinite=action), lambda v: v, 1.0, fp16=False)
+    writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
+    calls, rolled = [], []
+
+    def reduce_sum(values):
+        calls.append(len(values))
+        return values
+
+    def rollback(bad_step):
+        rolled.append((bad_step, engine.forwards))
+        return 0
+
+    step, tokens = step_of(engine)
+    p = plan(max_steps=8, log_interval=8)
+    fit(engine, p, step, lambda: {"bits_per_base": 1.0}, [].append, writer, reduce_sum, False, tokens, guard=guard,
+        rollback=rollback, sync_interval=4)  # fmt: skip
+    events = [(r["step"], r["event"]) for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "event" in r]
+    if action == "rollback":
+        assert rolled == [(2, 4)] and events == [(0, "rollback")]  # noticed after step 4, back to before step 2
+        assert engine.forwards == 4 + 8 and calls == [2 * 4] * 3 + [3 + 1]  # steps 1-8 again: 2 sync points, a row
+    else:
+        assert rolled == [] and events == [(2, "skip"), (3, "skip")] and engine.forwards == 8
+    # Good steps join the spike window in order; judging stopped at the rollback (steps 3-4 were undone by it).
+    good = 1 + 8 if action == "rollback" else 8 - 2
+    assert list(guard.window) == pytest.approx([float((engine.module.weight.detach() ** 2).sum())] * good)
+
+
+def test_sync_interval_is_checked_and_defaults_to_ten():
+    from megagenome.config import RootConfig, TrainConfig
+    from megagenome.config.checks import validate
+
+    assert TrainConfig().sync_interval == 10
+    problems = validate(RootConfig(train=TrainConfig(sync_interval=0)))
+    assert "--train.sync_interval=0: must be positive" in problems

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -190,3 +191,68 @@ def test_a_rank_whose_launcher_is_killed_stops_as_on_sigterm(tmp_path):
             os.kill(rank_pid, signal.SIGKILL)
         except (ProcessLookupError, NameError):
             pass
+
+
+class NotingEngine(StandInEngine):
+    """The stand-in engine of one of two thread-ranks: its StopRequest notes a checkpoint signal in chosen steps (a
+    signal handler can only be installed on the main thread; note() is what the handler does)."""
+
+    def __init__(self, stop: StopRequest, at: set[int]):
+        super().__init__()
+        self.stop, self.at = stop, at
+
+    def step(self):
+        super().step()
+        if self.calls in self.at:
+            self.stop.note(CHECKPOINT, "SIGUSR1 received")
+
+
+@pytest.mark.parametrize("sync_interval, stops_after", [(1, 2), (4, 4), (3, 3)])
+def test_every_rank_stops_after_the_same_step_with_sync_interval(tmp_path, sync_interval, stops_after):
+    """Two ranks in two threads, a real sum over both (a barrier) as their reduce_sum, each with a divergence guard
+    whose votes ride in the same collective: rank 0 gets the signal in step 2, rank 1 none. Both vote at the same
+    steps only (sync points), stop after the same one, save it, and made the same collectives."""
+    from megagenome.config import TrainConfig
+    from megagenome.train.divergence import Guard
+
+    barrier, box = threading.Barrier(2), [None, None]
+
+    def make_reduce(rank, calls):
+        def reduce_sum(values):
+            calls.append(len(values))
+            box[rank] = list(values)
+            barrier.wait()
+            total = [a + b for a, b in zip(*box)]
+            barrier.wait()
+            return total
+
+        return reduce_sum
+
+    results = [{}, {}]
+
+    def rank(r):
+        stop = StopRequest("SIGUSR1")  # off the main thread: no handler, the vote still takes part
+        engine = NotingEngine(stop, {2} if r == 0 else set())
+        guard = Guard(TrainConfig(), lambda v: v, 0.5, fp16=False)
+        saved, calls = [], []
+        plan = loop_plan(max_steps=10, log_interval=100)
+        writer = MetricsWriter(str(tmp_path / f"m{r}.jsonl"), enabled=True)
+        try:
+            fit(engine, plan, step_of(engine)[0], lambda: {}, saved.append, writer, make_reduce(r, calls), False,
+                stop=stop, guard=guard, sync_interval=sync_interval)  # fmt: skip
+        except Preempted as e:
+            results[r] = {"step": e.step, "code": e.exit_code, "saved": saved, "calls": calls, "steps": engine.calls}
+        finally:
+            stop.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results[0] == results[1], results
+    assert results[0]["step"] == stops_after and results[0]["saved"] == [stops_after] and results[0]["code"] == 75
+    assert results[0]["steps"] == stops_after  # no step trained past the agreed one
+    # One collective per sync point (the guard's two votes per pending step and the stop's four slots), one row.
+    pending = [sync_interval] * (stops_after // sync_interval)
+    assert results[0]["calls"] == [2 * k + 4 for k in pending] + [3 + 1]

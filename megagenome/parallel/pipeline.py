@@ -212,15 +212,15 @@ def train_step(
     grad_accum: int,
     grad_norm: Callable[[], float] | None = None,
     on_gradients: Callable[[int], None] | None = None,
-) -> Callable[[int], tuple[float, float | None]]:
+) -> Callable[[int], tuple[torch.Tensor, float | None]]:
     """The loop's step function (train/loop.py StepFn, the same signature as forward_backward_step) for a pipeline
     engine: one engine.train_batch per optimizer step, over the grad_accum micro batches train_batch(step, m) of
     this data-parallel rank.
 
     Only the first and last stages read data (DeepSpeed pulls inputs and labels there), lazily. Returns
     (loss, grad_norm()): the loss is the step's mean over micro batches and data-parallel ranks, as DeepSpeed
-    broadcasts it to every stage. grad_norm() and on_gradients(step) run on every rank right before the optimizer
-    step.
+    broadcasts it to every stage, a device tensor the loop reads at its next sync point. grad_norm() and
+    on_gradients(step) run on every rank right before the optimizer step.
     """
     current = {"step": -1, "norm": None}
 
@@ -232,11 +232,11 @@ def train_step(
 
     before_optimizer_step(engine, hook)
 
-    def run(step: int) -> tuple[float, float | None]:
+    def run(step: int) -> tuple[torch.Tensor, float | None]:
         current["step"], current["norm"] = step, None
         micro_batches = (as_pipe_batch(to_device(train_batch(step, m))) for m in range(grad_accum))
         loss = engine.train_batch(data_iter=micro_batches)
-        return float(loss), current["norm"]
+        return torch.as_tensor(loss).detach().to(torch.float64), current["norm"]
 
     return run
 

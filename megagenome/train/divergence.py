@@ -28,6 +28,13 @@ Then, per --train.on_nonfinite / --train.on_spike:
                 for loss spikes; with no complete checkpoint yet, a discarded bad step is skipped, one whose update
                 was applied (a pipeline spike) stops the run
 
+When: the loop (train/loop.py) keeps each step's loss and gradient norm on the device and judges every step since
+the last sync point at the next one (--train.sync_interval; log, eval and checkpoint steps always are one), in
+step order, in the one all-reduce it makes there: a bad step is acted on a few steps later, with the same outcome
+(a rollback reloads the newest complete checkpoint before the FIRST bad step, and skips the batches up to it;
+a stop names it; skip logs each). With the spike detector on, every step is a sync point: before_update reads the
+step's loss back before the update (a host sync, only while the detector tests: once its window is full).
+
 Each bad step is a metrics.jsonl row with "split": "event" (event: skip, rollback or stop; reason; loss;
 grad_norm); more than --train.nonfinite_limit bad steps in one invocation stop the run (Diverged).
 """
@@ -82,9 +89,9 @@ class BadStep:
 
 
 class Guard:
-    """Judges every step (module docstring). reduce_sum: the loop's collective; loss_factor turns the sum of the
-    ranks' losses into the step's loss (loss shards / world size, as the metrics rows do); fp16: DeepSpeed's loss
-    scaler owns overflowing gradients."""
+    """Judges every step at the loop's sync points (module docstring). reduce_sum: the loop's collective (used here
+    only by before_update); loss_factor turns the sum of the ranks' losses into the step's loss (loss shards / world
+    size, as the metrics rows do); fp16: DeepSpeed's loss scaler owns overflowing gradients."""
 
     def __init__(self, train_cfg, reduce_sum: Callable[[list[float]], list[float]], loss_factor: float, fp16: bool):
         self.on_nonfinite, self.on_spike = train_cfg.on_nonfinite, train_cfg.on_spike
@@ -107,13 +114,20 @@ class Guard:
             return None
         return statistics.fmean(self.window) + self.sigmas * statistics.pstdev(self.window)
 
-    def before_update(self, local_loss: float) -> bool:
-        """Called by every rank with its loss of the step before the optimizer step (non-pipeline steps): whether to
-        discard the update as a spike. One all-reduce, only while the detector is testing."""
+    @property
+    def every_step(self) -> bool:
+        """Whether every step must be judged before the next (the spike detector compares each loss with a window of
+        the losses before it, and tests before the update): the loop then makes every step a sync point."""
+        return self.sigmas > 0
+
+    def before_update(self, local_loss) -> bool:
+        """Called by every rank with its loss of the step (a device tensor or a float) before the optimizer step
+        (non-pipeline steps): whether to discard the update as a spike. One all-reduce and the loss read back, only
+        while the detector is testing."""
         threshold = self.spike_threshold()
         if threshold is None:
             return False
-        loss = self.reduce_sum([local_loss])[0] * self.loss_factor
+        loss = self.reduce_sum([float(local_loss)])[0] * self.loss_factor
         if math.isfinite(loss) and loss > threshold:
             self._spike = (
                 f"loss {loss:.4f} > {threshold:.4f} (mean + {self.sigmas:g} sd of the last {len(self.window)})"
@@ -121,11 +135,30 @@ class Guard:
             return True
         return False
 
-    def judge(self, done: int, local_loss: float, grad_norm, skipped: bool) -> BadStep | None:
-        """After step `done`: the bad step, or None (its loss joins the spike window). One all-reduce."""
-        flag = 0.0 if math.isfinite(local_loss) else 1.0
-        total, bad_ranks = self.reduce_sum([local_loss if flag == 0.0 else 0.0, flag])
-        loss = total * self.loss_factor if bad_ranks == 0 else float("nan")
+    def votes(self, local_losses: list[float]) -> list[float]:
+        """This rank's part of the sync point's all-reduce for the steps since the last one: each step's loss (0 when
+        not finite) and then each step's non-finite flag."""
+        flags = [0.0 if math.isfinite(v) else 1.0 for v in local_losses]
+        return [v if f == 0.0 else 0.0 for v, f in zip(local_losses, flags)] + flags
+
+    def verdicts(self, steps: list[tuple[int, float | None, bool]], total: list[float]) -> list[BadStep]:
+        """The bad steps among `steps` ((step, gradient norm, discarded by DeepSpeed), in order), from the sum of
+        every rank's votes(): each good step's loss joins the spike window in turn. Judging ends at the first bad
+        step that is not skipped (a stop or rollback undoes what came after it)."""
+        k = len(steps)
+        out = []
+        for (done, norm, skipped), loss_sum, bad_ranks in zip(steps, total[:k], total[k:]):
+            bad = self.judge(done, loss_sum, bad_ranks, norm, skipped)
+            if bad is not None:
+                out.append(bad)
+                if bad.action != "skip":
+                    break
+        return out
+
+    def judge(self, done: int, loss_sum: float, bad_ranks: float, grad_norm, skipped: bool) -> BadStep | None:
+        """Step `done`, from the ranks' summed votes (its loss sum, the ranks whose loss was not finite): the bad
+        step, or None (its loss joins the spike window)."""
+        loss = loss_sum * self.loss_factor if bad_ranks == 0 else float("nan")
         norm = None if grad_norm is None else float(grad_norm)
         spike, self._spike = self._spike, None
         if spike is not None:
@@ -170,7 +203,12 @@ def guard_optimizer(engine) -> None:
     bf16 and fp16 optimizers always check. A plain torch optimizer (ZeRO stage 0 in fp32) has no check: its step is
     wrapped to test every gradient (complete at stage 0 after DeepSpeed's all-reduce), agree over all ranks, and on
     a non-finite one drop the gradients and set `overflow`, which DeepSpeed's engine reads to count the step as
-    skipped and hold the learning-rate schedule, as for an fp16 overflow."""
+    skipped and hold the learning-rate schedule, as for an fp16 overflow.
+
+    That wrapper reads one flag back per step (a host sync): the only one megagenome keeps in the steady state,
+    and on this path only (ZeRO-0 with a plain torch optimizer, fp32). The engine needs `overflow` on the host
+    before its step returns, to hold the schedule; doing without would mean torch's fused found_inf (as its
+    GradScaler uses) plus undoing a scheduler step later."""
     opt = engine.optimizer
     if hasattr(opt, "check_grad_overflow"):
         opt.check_grad_overflow = True
@@ -180,12 +218,10 @@ def guard_optimizer(engine) -> None:
     original = opt.step
 
     def step(*args, **kwargs):
+        grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
         bad = torch.zeros(1, dtype=torch.float32, device=engine.device)
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not torch.isfinite(p.grad).all():
-                    bad.fill_(1.0)
-                    break
+        if grads:  # one flag on the device, read once below (not a read per gradient)
+            bad = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float().reshape(1)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(bad)
         opt.overflow = bool(bad.item())

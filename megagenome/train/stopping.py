@@ -16,11 +16,14 @@ checkpoint load is not lost) and watches, until close():
                             the launcher that started it
 
 A handler only records the signal and its time (no I/O, no collectives: it may run between any two bytecodes). At
-each step boundary fit() calls decide(): one reduce_sum of a small vector per step, made by every rank, tells
-whether any rank has something, which kind wins (SIGINT over SIGTERM over the checkpoint signal, so a Ctrl-C that
+each sync point (train/loop.py: every --train.sync_interval steps, and at every log, eval and checkpoint step) fit()
+puts vote() into the one reduce_sum it makes there, made by every rank at the same steps, and agree() reads whether
+any rank has something, which kind wins (SIGINT over SIGTERM over the checkpoint signal, so a Ctrl-C that
 also made DeepSpeed's launcher send SIGTERM reads as a Ctrl-C) and, for SIGTERM/SIGINT, whether every rank judges
 that a checkpoint still fits: (seconds since its own signal) + (the last save's duration) <= grace_s, or "fits"
-while no save has been timed yet. Every rank then stops after that same step.
+while no save has been timed yet. Every rank then stops after that same step. A signal is therefore acted on at
+the next sync point: at most --train.sync_interval steps after it arrives (that many steps' time comes off the
+grace period).
 
 The deadline: grace_s after its SIGTERM/SIGINT (or after it learnt of one from another rank), a rank still running
 (blocked in a collective with a dead peer, a save that does not end) prints one line and leaves with os._exit(code).
@@ -144,11 +147,20 @@ class StopRequest:
             out[_LATE] = float(time.monotonic() - self.since + self.last_save_s > self.grace_s)
         return out
 
+    @property
+    def watching(self) -> bool:
+        """Whether there is anything to vote on (a signal or the launcher watched): else no rank votes."""
+        return bool(self.kinds or self._watched)
+
     def decide(self, reduce_sum: Callable[[list[float]], list[float]]) -> Stop | None:
         """Whether any rank stops, and how: one reduce_sum made by every rank (none when nothing is watched)."""
-        if not self.kinds and not self._watched:
+        if not self.watching:
             return None
-        total = reduce_sum(self.vote())
+        return self.agree(reduce_sum(self.vote()))
+
+    def agree(self, total: list[float]) -> Stop | None:
+        """The stop the ranks agree on from the sum of every rank's vote() (fit() adds it to its sync point's
+        reduce_sum), or None."""
         kinds = [k for k in (INTERRUPT, TERMINATE, CHECKPOINT) if total[k] > 0]
         if not kinds:
             return None
