@@ -187,3 +187,112 @@ def test_unknown_section_keys_suggest_the_nearest_and_aliases_count_once():
     assert "set twice" in msg
     (msg,) = ds_schema.section_problems(fields, {"offload_param": {"device": "gpu"}}, "zero_optimization", "z.json")
     assert msg == "z.json: zero_optimization.offload_param.device: 'gpu' is not one of 'none', 'cpu', 'nvme'"
+
+
+# ----- the optimizer DeepSpeed builds, and the shipped JSONs -----------------------------------------------------
+
+
+def _adam(ds: dict, on_gpu: bool, torch_adam: bool | None = None) -> dict:
+    train = TrainConfig(torch_adam=torch_adam)
+    params = build_ds_config(ds, ParallelLayout(1).batch(train), train, False, on_gpu=on_gpu)["optimizer"]["params"]
+    return {k: params[k] for k in ("torch_adam", "fused") if k in params}
+
+
+def test_adam_is_torchs_fused_on_gpu_and_deepspeeds_cpu_adam_where_offloaded():
+    """GPU: torch's AdamW with fused=True (prebuilt, no JIT build of DeepSpeed's FusedAdam); a GPU run offloading the
+    optimizer keeps DeepSpeedCPUAdam (torch_adam false: DeepSpeed picks its CPU Adam for an offloaded optimizer);
+    CPU: torch's AdamW, unfused, as before. An explicit --train.torch_adam wins."""
+    shipped = {name: load_ds_json(str(REPO / "ds_configs" / f"{name}.json")) for name in SHIPPED}
+    for name, ds in shipped.items():
+        offloaded = name in ("zero2_offload", "zero3_offload", "zero3_nvme")
+        assert _adam(ds, on_gpu=True) == ({"torch_adam": False} if offloaded else {"torch_adam": True, "fused": True})
+        assert _adam(ds, on_gpu=False) == {"torch_adam": True}, name
+    param_offload_only = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert _adam(param_offload_only, on_gpu=True) == {"torch_adam": True, "fused": True}
+    assert _adam({}, on_gpu=True, torch_adam=False) == {"torch_adam": False}  # DeepSpeed's FusedAdam, on request
+    assert _adam(shipped["zero3_offload"], on_gpu=True, torch_adam=True) == {"torch_adam": True}  # on the host
+
+
+SHIPPED = sorted(p.stem for p in REPO.glob("ds_configs/*.json"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_json_turns_deepspeeds_timers_off(name):
+    """The throughput timer synchronises the device at every forward and step; wall_clock_breakdown adds more."""
+    ds = load_ds_json(str(REPO / "ds_configs" / f"{name}.json"))
+    assert ds["timers"] == {"throughput": {"enabled": False}} and ds["wall_clock_breakdown"] is False
+    from deepspeed.runtime.config import DeepSpeedConfig  # noqa: F401 (the accelerator is set up before utils)
+    from deepspeed.utils.config import get_timers_config
+
+    assert get_timers_config(ds).enabled is False  # DeepSpeed reads the key where we put it
+
+
+def test_the_timers_schema_is_the_installed_deepspeeds():
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+
+    from megagenome.train import engine
+    from megagenome.train.ds_config import TIMERS_SCHEMA
+
+    assert TIMERS_SCHEMA["throughput"]["fields"] == engine._model_fields(DeepSpeedThroughputTimerConfig)
+    bad = {"timers": {"throughput": {"enabled": "sometimes", "synchronised": False}, "tput": {}}}
+    text = "\n".join(check_ds_config(bad, "t.json", "run.yaml", on_gpu=False))
+    assert "timers.throughput.enabled: 'sometimes' is not a boolean" in text
+    assert "unknown DeepSpeed key 'timers.throughput.synchronised' (did you mean" in text
+    assert "unknown DeepSpeed key 'timers.tput'" in text
+
+
+@pytest.fixture(scope="module")
+def deepspeed_world():
+    from support.helpers import world_of_one
+
+    with world_of_one():
+        yield
+
+
+# (fragments, the wrapper DeepSpeed 0.19.8 picks, overlap_comm, gradient accumulation dtype, communication dtype)
+WRAPPERS = [
+    (["zero1_bf16"], "DeepSpeedZeroOptimizer", True, "bfloat16", "float32"),
+    (["zero2_bf16"], "DeepSpeedZeroOptimizer", True, "float32", "float32"),
+    (["zero1", "bf16"], "BF16_Optimizer", None, "float32", "bfloat16"),  # ZeRO-1 + bf16 + fp32 accumulation
+]
+
+
+@pytest.mark.parametrize("fragments, wrapper, overlap, accum, comm", WRAPPERS, ids=["+".join(w[0]) for w in WRAPPERS])
+def test_which_optimizer_wrapper_each_bf16_json_gets_and_that_it_trains(
+    deepspeed_world, fragments, wrapper, overlap, accum, comm
+):
+    """A real engine (one gloo rank) for each bf16 JSON: the wrapper DeepSpeed chooses (engine.py
+    _do_optimizer_sanity_check: bf16 + ZeRO-1 + fp32 accumulation -> BF16_Optimizer, which reduces after backward
+    without overlap; otherwise the ZeRO optimizer), its overlap and dtypes as ds_configs/README.md states them, and four
+    optimizer steps of two micro batches that change every weight and lower the loss on a repeated batch (the first
+    step's learning rate is 0: the warm-up starts there)."""
+    import torch
+
+    from megagenome.config import ModelConfig
+    from megagenome.model import DNATransformer
+    from megagenome.train import engine
+    from megagenome.train.ds_config import merge_fragments
+
+    merged, _, problems = merge_fragments([str(REPO / "ds_configs" / f"{f}.json") for f in fragments])
+    assert problems == [] and check_ds_config(merged, "x.json", "run.yaml", on_gpu=False) == []
+    torch.manual_seed(0)
+    model = DNATransformer(ModelConfig(d_model=32, n_layer=2, n_head=2, max_seq_len=64), 8)
+    train = TrainConfig(micro_batch_size=2, grad_accum_steps=2, lr=1e-2, warmup_steps=1)
+    conf = build_ds_config(merged, ParallelLayout(1).batch(train), train, False, on_gpu=False)
+    eng = engine.initialize(model, model.param_groups(0.1), conf)
+    opt = eng.optimizer
+    assert type(opt).__name__ == wrapper and type(eng.basic_optimizer) is torch.optim.AdamW
+    assert getattr(opt, "overlap_comm", None) is overlap
+    assert eng.get_data_types() == (torch.bfloat16, getattr(torch, accum))
+    assert eng.communication_data_type == getattr(torch, comm)
+    before = [p.detach().float().clone() for p in model.parameters()]
+    ids = torch.randint(3, 8, (2, 65), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(4):
+        for _ in range(2):
+            loss, _, _ = eng(ids[:, :-1], ids[:, 1:], torch.ones(2, 64))
+            eng.backward(loss)
+            eng.step()
+        losses.append(loss.item())
+    assert all(not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters()))
+    assert losses[-1] < losses[0] - 0.05, losses

@@ -115,6 +115,19 @@ DTYPE_NAMES = {
 }
 
 
+# The "timers" section (DeepSpeed's utils/config.py get_timers_config): only "throughput", a
+# DeepSpeedThroughputTimerConfig whose fields these are (tests/test_ds_config.py compares them with the installed
+# DeepSpeed's model). DeepSpeed reads nothing else under "timers", so anything else is a typo. The shipped JSONs turn
+# the timer off: enabled, it synchronises the device at every forward and optimizer step.
+TIMERS_SCHEMA = {
+    "throughput": {
+        "type": "object",
+        "nullable": False,
+        "fields": {"enabled": {"type": "boolean"}, "synchronized": {"type": "boolean"}},
+    }
+}
+
+
 class DSConfigError(ValueError):
     """A DeepSpeed JSON that cannot be read."""
 
@@ -214,6 +227,8 @@ def check_ds_config(
             "(--checkpoint.universal); the run config owns it: remove it from the JSON"
         )
     problems += (sections or _copied_section_problems)(ds, sources or {}, path)
+    if "timers" in ds:  # not a pydantic section of DeepSpeed's config: checked here at dry run and launch alike
+        problems += ds_schema.section_problems(TIMERS_SCHEMA, ds["timers"], "timers", src("timers"))
     if _enabled(ds, "bf16") and _enabled(ds, "fp16"):
         problems.append(f"{src('bf16')} and {src('fp16')}: bf16.enabled and fp16.enabled cannot both be true")
     if _enabled(ds, "fp16") and not on_gpu:
@@ -352,12 +367,37 @@ def scaled_lr(train: TrainConfig, global_batch: int) -> tuple[float, float]:
     return train.lr * factor, train.min_lr * factor
 
 
+def optimizer_offloaded(ds: dict) -> bool:
+    """True when ZeRO keeps the optimizer states and step on the host or NVMe (offload_optimizer: cpu or nvme)."""
+    block = zero_section(ds).get("offload_optimizer")
+    return isinstance(block, dict) and block.get("device") in ("cpu", "nvme")
+
+
+def adam_choice(ds: dict, torch_adam: bool | None, on_gpu: bool) -> dict:
+    """The optimizer params that pick which Adam DeepSpeed 0.19.8 builds (engine.py get_optimizer_configuration):
+    "torch_adam": true makes it torch.optim.AdamW and forwards the other params to it, so "fused": true there is
+    torch's single-kernel CUDA AdamW (prebuilt in torch; issue 14 estimates the foreach default ~3x slower at 1B,
+    not measured here); false makes
+    it DeepSpeed's FusedAdam, JIT-built on first use (~30 s, needs ninja and nvcc), or DeepSpeedCPUAdam when ZeRO
+    offloads the optimizer.
+
+    Default (torch_adam None): torch's AdamW, fused on a GPU; DeepSpeedCPUAdam where the optimizer is offloaded on a
+    GPU run (its vectorised host step is what offload is built around). On CPU torch's AdamW as before, unfused:
+    the CPU jobs' published numbers were measured with it.
+    """
+    offloaded = optimizer_offloaded(ds)
+    use_torch = (not (on_gpu and offloaded)) if torch_adam is None else torch_adam
+    params: dict = {"torch_adam": use_torch}
+    if use_torch and on_gpu and not offloaded:
+        params["fused"] = True
+    return params
+
+
 def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: bool, on_gpu: bool) -> dict:
     """The exact dict given to deepspeed.initialize: the JSON plus the keys the run config owns (batch sizes from the
     layout, optimizer and schedule from --train.*, checkpoint.load_universal from --checkpoint.universal)."""
     merged = json.loads(json.dumps(ds))  # deep copy; the JSON file's dict is never mutated
     merged.setdefault("steps_per_print", 10**9)  # our loop does the logging
-    torch_adam = (not on_gpu) if train.torch_adam is None else train.torch_adam
     lr, min_lr = scaled_lr(train, batch.global_batch)
     merged.update(
         {
@@ -372,7 +412,7 @@ def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: 
                     "betas": [train.beta1, train.beta2],
                     "eps": train.adam_eps,
                     "weight_decay": train.weight_decay,
-                    "torch_adam": torch_adam,
+                    **adam_choice(ds, train.torch_adam, on_gpu),
                 },
             },
             "scheduler": {
