@@ -226,7 +226,7 @@ def worker(spec_path: pathlib.Path) -> None:
             loss, _ = step_a(cursor["a"])
             losses.append(loss)
             cursor["a"] += 1
-        return losses
+        return [float(v) for v in losses]  # the step function returns device tensors: read after the block, as b
 
     writer = MetricsWriter(str(work / "fit_metrics.jsonl"), enabled=rank == 0)
 

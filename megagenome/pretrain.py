@@ -35,6 +35,7 @@ from megagenome.metrics import (
     measure_matmul_tflops,
     resolve_peak,
 )
+from megagenome.model import attention_summary
 from megagenome.parallel import pipeline, tensor_parallel
 from megagenome.parallel.sequence import shard_batch
 from megagenome.record import env_record, write_json, write_yaml
@@ -44,6 +45,7 @@ from megagenome.train import engine as ds
 from megagenome.train.divergence import Guard, guard_optimizer
 from megagenome.train.loop import LoopPlan, StopRequest, TokenCounter, TrainingStopped, fit
 from megagenome.train.memory import memory_probe
+from megagenome.train.prefetch import Prefetcher
 from megagenome.train.watchdog import Watchdog
 
 
@@ -255,11 +257,12 @@ def _fit(
         indices = batch_indices(first, micro_step, dp_rank, layout.data_parallel, b.micro)
         return shard_batch(data.train_batch(indices), sp_rank, layout.sequence, run.sp_loss_factor)
 
-    tokens = TokenCounter(sharded_batch)  # counts real (loss-carrying) tokens for the metrics rows
+    batches = Prefetcher(sharded_batch, b.grad_accum, plan.stop_at)  # built ahead, in order (train/prefetch.py)
+    tokens = TokenCounter(batches)  # counts real (loss-carrying) tokens of the batches trained, for the metrics rows
     watchdog = Watchdog(cfg.train.hang_timeout_s, run.ranks.rank, cfg.log.run_dir)  # exits on a hang
 
     def run_eval() -> dict:
-        with watchdog.paused():
+        with watchdog.paused(), batches.lock:  # the prefetch thread reads the same data
             return assembly.evaluate_heldout(run, data)
 
     guard = Guard(cfg.train, ds.all_reduce_sum, plan.loss_shards / plan.world_size, run.engine.fp16_enabled())
@@ -272,6 +275,7 @@ def _fit(
 
     def rollback(bad_step: int) -> int | None:
         with watchdog.paused():
+            batches.reset()  # what was built ahead read the data cursor the rollback moves
             return _rollback(run, bad_step, cursor, guard)
 
     before_update = guard.before_update if cfg.train.spike_sigmas > 0 and layout.pipeline == 1 else None
@@ -291,9 +295,11 @@ def _fit(
             stop,
             guard,
             rollback,
+            cfg.train.sync_interval,
         )
         return {**result, "divergence": guard.summary()}
     finally:
+        batches.close()
         watchdog.stop()
         writer.close()  # flushes TensorBoard and finishes the W&B run, also on failure
 
@@ -363,19 +369,24 @@ def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
     """The runtime facts the loop needs, FLOP counts and the peak they are divided by (and its source) included."""
     cfg, layout, state, m = run.cfg, run.layout, run.ranks.state, run.cfg.model
     seq = cfg.data.seq_len
-    hw_flops = hardware_flops_per_token(
-        run.dense_parameters,
-        m.n_layer,
-        m.d_model,
-        seq,
-        m.checkpointing,
-        run.block_parameters,
-        d_ff=d_ff(m),
-        checkpoint_every=m.checkpoint_every,
-        early_stop=run.checkpoint_fn is None,  # torch's checkpoint (early stopping); DeepSpeed's reruns everything
-        dropout=m.dropout,
-        pipeline_segments=layout.pipeline > 1 and cfg.parallel.pipeline_checkpoint_interval > 0,
-    )
+    causal = m.objective == "clm"  # the headline counts causal attention at half (Megatron-LM); mlm computes all
+
+    def hw_flops(causal: bool) -> float:
+        return hardware_flops_per_token(
+            run.dense_parameters,
+            m.n_layer,
+            m.d_model,
+            seq,
+            m.checkpointing,
+            run.block_parameters,
+            causal=causal,
+            d_ff=d_ff(m),
+            checkpoint_every=m.checkpoint_every,
+            early_stop=run.checkpoint_fn is None,  # torch's checkpoint stops early; DeepSpeed's reruns everything
+            dropout=m.dropout,
+            pipeline_segments=layout.pipeline > 1 and cfg.parallel.pipeline_checkpoint_interval > 0,
+        )
+
     return LoopPlan(
         start_step=start_step,
         max_steps=cfg.train.max_steps,
@@ -385,13 +396,15 @@ def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
         log_interval=cfg.train.log_interval,
         eval_interval=cfg.train.eval_interval,
         ckpt_interval=cfg.checkpoint.interval,
-        flops_per_token=flops_per_token(run.dense_parameters, m.n_layer, m.d_model, seq),
+        flops_per_token=flops_per_token(run.dense_parameters, m.n_layer, m.d_model, seq, causal),
+        flops_per_token_full_attn=flops_per_token(run.dense_parameters, m.n_layer, m.d_model, seq, causal=False),
         peak_tflops=peak[0],
         world_size=run.ranks.world_size,
         rank=run.ranks.rank,
         loss_shards=layout.sequence // run.sp_loss_factor,  # scaled chunk losses already average to the whole loss
         stop_signal=cfg.checkpoint.signal,
-        hw_flops_per_token=hw_flops,
+        hw_flops_per_token=hw_flops(causal),
+        hw_flops_per_token_full_attn=hw_flops(causal=False),
         peak_source=peak[1],
         # Tensor-parallel ranks and pipeline stages past the first see the tokens of the same samples again.
         counts_tokens=state.get_tensor_model_parallel_rank() == 0 and state.get_pipeline_model_parallel_rank() == 0,
@@ -411,6 +424,8 @@ def _peak(run: Run) -> tuple[float, str]:
     )
     if run.ranks.rank == 0:
         print(f"megagenome: peak {peak:,.3g} TFLOP/s per device for MFU/HFU ({source})", flush=True)
+        model = run.cfg.model
+        print(f"megagenome: {attention_summary(model.attention, device, dtype, model.dropout)}", flush=True)
     return peak, source
 
 

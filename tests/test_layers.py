@@ -32,6 +32,9 @@ LAYERS = {
     "train/divergence": 3,
     "train/consolidate": 3,
     "train/stopping": 3,
+    "train/sync_points": 3,
+    "train/prefetch": 3,
+    "train/host_syncs": 3,
     "inference": 4,
     "evaluate": 4,
     "variant_scoring": 4,
@@ -70,6 +73,7 @@ L1_ALLOWED = {
 SEAMS = {
     "deepspeed": {"train/engine", "train/universal", "train/memory", "parallel/pipeline", "train/consolidate"},
     "flash_attn": {"model/attention"},
+    "flash_attn_interface": {"model/attention"},
     "pyfaidx": {"data/fasta"},
     "pysam": {"data/variants", "data/vcf_scores"},
     "wandb": {"dashboards"},

@@ -45,7 +45,28 @@ def validate(cfg: RootConfig) -> list[str]:
         + _log_problems(cfg.log)
         + _distill_problems(cfg)
         + _spike_problems(cfg)
+        + _compile_problems(cfg)
     )
+
+
+def _compile_problems(cfg: RootConfig) -> list[str]:
+    """--model.compile compiles DNATransformer's blocks (model/transformer.py compile_blocks): pipeline stages are
+    built from the blocks by DeepSpeed's PipelineModule, where the flag would silently do nothing, and the tensor- and
+    sequence-parallel communication inside a block is untested under torch.compile. (ZeRO-3 is refused with the
+    DeepSpeed JSON, parallel/layout.py.)"""
+    p = cfg.parallel
+    if not cfg.model.compile:
+        return []
+    reasons = {
+        "pipeline": "DeepSpeed's PipelineModule runs the blocks as its own layers, which are not compiled",
+        "tensor": "the tensor-parallel all-reduces inside a block are not tested under torch.compile",
+        "sequence": "the Ulysses all-to-alls inside a block are not tested under torch.compile",
+    }
+    return [
+        f"--model.compile with --parallel.{name}={getattr(p, name)}: {why}; drop --model.compile"
+        for name, why in reasons.items()
+        if getattr(p, name) > 1
+    ]
 
 
 def _spike_problems(cfg: RootConfig) -> list[str]:
@@ -166,7 +187,7 @@ def _train_problems(t: TrainConfig) -> list[str]:
         problems.append(f"--train.stop_at={t.stop_at}: must be within [1, --train.max_steps={t.max_steps}]")
     if t.hang_timeout_s < 0:
         problems.append(f"--train.hang_timeout_s={t.hang_timeout_s:g}: must be >= 0 (0 disables the watchdog)")
-    problems += _positive([("train.spike_window", t.spike_window)])
+    problems += _positive([("train.spike_window", t.spike_window), ("train.sync_interval", t.sync_interval)])
     if t.nonfinite_limit < 0 or t.max_restarts < 0:
         problems.append(
             f"--train.nonfinite_limit={t.nonfinite_limit} and --train.max_restarts={t.max_restarts}: must be >= 0"

@@ -47,8 +47,13 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation."""
     objective: Literal["clm", "mlm"] = "clm"
     """clm: causal next-base prediction; mlm: bidirectional masked-base prediction (BERT-style)."""
-    attention: Literal["auto", "sdpa", "flash"] = "auto"
-    """Attention kernel: auto picks flash-attn on a CUDA device when it is installed, else PyTorch SDPA."""
+    attention: Literal["auto", "sdpa", "math", "cudnn", "flash", "fa3"] = "auto"
+    """Attention kernel: sdpa (torch chooses), math (SDPA's math backend), cudnn (SDPA's cuDNN backend), flash
+    (flash-attn 2), fa3 (FlashAttention-3, Hopper). auto: on CUDA in bf16/fp16, fa3 when installed on a 9.x GPU, else
+    cudnn on sm >= 8.0, else flash when installed, else sdpa (never fa3 or cudnn with dropout); sdpa on CPU."""
+    compile: bool = False
+    """Regional torch.compile of each transformer block (inductor fuses norms, residual adds, rotary, SwiGLU); costs a
+    one-off compilation at the first step. Not with pipeline, tensor or sequence parallelism."""
     checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
     """Activation checkpointing policy: none; full (recompute every block); every_k (recompute segments of
     --model.checkpoint_every blocks, keeping only segment inputs); selective (recompute only the attention
@@ -201,11 +206,19 @@ class TrainConfig:
     """Directory on a local NVMe drive for ZeRO-Infinity offload; required when the DeepSpeed JSON offloads to
     device "nvme" (the shipped zero3_nvme.json leaves the path to this flag)."""
     torch_adam: bool | None = None
-    """Use torch's AdamW instead of DeepSpeed's fused Adam; default: torch on CPU (no compiler needed), fused on GPU."""
+    """Use torch's AdamW (fused=True on a GPU: prebuilt, nothing JIT-compiled) instead of DeepSpeed's own Adam
+    (FusedAdam, JIT-built; DeepSpeedCPUAdam with an offloaded optimizer); default: torch's, except DeepSpeedCPUAdam
+    where a GPU run offloads the optimizer to the host or NVMe."""
     eval_interval: int = 100
     """Evaluate on the held-out split every this many steps (0: only at the end)."""
     log_interval: int = 10
     """Write a metrics row every this many steps."""
+    sync_interval: int = 10
+    """Steps between the ranks' host-side agreements on stop signals and bad steps (train/loop.py): between them
+    no step waits for the device. Log, eval and checkpoint steps and the invocation's last step always agree; so a
+    signal stops the run at most this many steps later, and a bad step is acted on (skip, stop, rollback) at the next
+    agreement, with the same outcome as at 1 (today's per-step agreement). The spike detector (--train.spike_sigmas
+    > 0) makes every step agree."""
     seed: int = 1234
     """Seed of weight initialisation and dropout."""
     num_threads: int | None = None
@@ -287,7 +300,8 @@ class CheckpointConfig:
     grace_s: float = 60.0
     """After SIGTERM or SIGINT (Ctrl-C, an orchestrator, Slurm's TERM before KILL): every rank finishes the current
     step and saves a checkpoint of it if that fits in this many seconds from the signal (judged by the last save's
-    duration); each rank exits at the latest this long after the signal (code 143 for TERM, 130 for INT)."""
+    duration); each rank exits at the latest this long after the signal (code 143 for TERM, 130 for INT). The ranks
+    agree on a signal at sync points only (--train.sync_interval): up to that many steps' time passes first."""
     verify: Literal["digest", "size"] = "digest"
     """How a checkpoint is verified before resuming from it against the file list in its COMPLETE marker: digest
     (SHA-256 and size of every file) or size (sizes only, for very large checkpoints). A bad checkpoint is named and
@@ -388,6 +402,7 @@ RESUME_MAY_CHANGE = frozenset(
         "model.checkpointing",
         "model.checkpoint_every",
         "model.attention",
+        "model.compile",
         "data.eval_windows",
         "data.eval_softmask_weight",
     }

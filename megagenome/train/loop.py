@@ -7,20 +7,32 @@ callables, so the same loop serves any data source and any parallel layout.
 
 Stopping on a signal (train/stopping.py, which also lists the exit codes): from the start of pretrain.run, which
 passes its StopRequest in, the checkpoint signal (SIGUSR1 by default), SIGTERM, SIGINT and the launcher's death only
-set a flag. After every step one reduce_sum over all ranks agrees on them, since a scheduler may signal some ranks
-and not others (or at different moments); once any rank has one, every rank stops after that same step, saves a
-checkpoint of it (after SIGTERM/SIGINT only if it fits in --checkpoint.grace_s) and Preempted is raised: the command
-line exits with 75 (the job script requeues), 143 (SIGTERM) or 130 (SIGINT).
+set a flag. At every sync point one reduce_sum over all ranks agrees on them, since a scheduler may signal some
+ranks and not others (or at different moments); once any rank has one, every rank stops after that same step, saves
+a checkpoint of it (after SIGTERM/SIGINT only if it fits in --checkpoint.grace_s) and Preempted is raised: the
+command line exits with 75 (the job script requeues), 143 (SIGTERM) or 130 (SIGINT).
+
+Sync points (--train.sync_interval N): between them no step waits for the device. A step returns its loss as a device
+tensor, the loop keeps it (and the gradient norm) per step, and only at a sync point reads them back in one go and
+makes the one reduce_sum that carries both the divergence guard's votes on every step since the last sync point
+(train/divergence.py) and the stop vote. Sync points are every N steps and always the log, eval and checkpoint
+steps and the invocation's last step: every rank votes at the same steps, so every rank still stops after the same
+step (a signal's latency grows by at most N steps), no checkpoint is written before the steps before it were
+judged, and a bad step is acted on at the next sync point exactly as at N = 1 (the steps trained after it are undone
+by the rollback or the stop). The spike detector makes every step a sync point (it needs each loss before the
+update). Throughput is timed from one sync point to the next, evaluation and checkpoint saving excluded.
 
 Accounting (one row per logging window, metrics.py for the FLOP formulas): tokens counts every position of every
 window trained (padding and N included) and is cumulative; window_tokens is that count for the window and
 window_real_tokens the positions that carry loss (loss_weight > 0: not N, not packing separators, for mlm only
 the selected positions), counted on the CPU batches by TokenCounter. tokens_per_s is global; tflops_per_gpu and
-mfu use the model FLOPs (6N + 12*L*d*s per token), hw_tflops_per_gpu and hfu the hardware FLOPs (plus what
-activation checkpointing recomputes); peak_tflops and peak_source say what the ratios divide by. mem_peak_bytes
-is rank 0's peak, mem_peak_bytes_max the largest over ranks. The loss, the real-token count and every rank's peak
-memory travel in one reduce_sum per logged window (each rank puts its peak in its own slot of a vector, so the
-sum carries them all and the maximum is taken locally): no extra collective.
+mfu use the model FLOPs (6N + 6*L*d*s per token for clm, causal attention at half as Megatron-LM counts it;
+6N + 12*L*d*s for mlm), hw_tflops_per_gpu and hfu the hardware FLOPs (plus what activation checkpointing
+recomputes); tflops_per_gpu_full_attn, mfu_full_attn and hfu_full_attn count every attention score (PaLM);
+peak_tflops and peak_source say what the ratios divide by. mem_peak_bytes is rank 0's peak, mem_peak_bytes_max
+the largest over ranks. The loss, the real-token count and every rank's peak memory travel in one reduce_sum per
+logged window (each rank puts its peak in its own slot of a vector, so the sum carries them all and the maximum is
+taken locally): no extra collective.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import torch
 
 from megagenome.metrics import MetricsWriter, bits_per_base
 from megagenome.train.stopping import PREEMPTED_EXIT, Stop, StopRequest
+from megagenome.train.sync_points import Done, agree, handle_bad_step, is_sync_point
 
 
 @dataclass
@@ -61,6 +74,11 @@ class LoopPlan:
     # FLOPs per token the hardware runs, recomputation included (metrics.hardware_flops_per_token); None: no
     # recompute, the same as flops_per_token.
     hw_flops_per_token: float | None = None
+    # The same two counts with every attention score counted (causal=False, PaLM's convention), for the *_full_attn
+    # columns; flops_per_token and hw_flops_per_token are the headline (causal for clm, Megatron-LM's convention).
+    # None: the headline counts already are full (mlm).
+    flops_per_token_full_attn: float | None = None
+    hw_flops_per_token_full_attn: float | None = None
     # Where peak_tflops comes from: "datasheet:<GPU>", "override" or "measured-<device>-matmul" (metrics.resolve_peak).
     peak_source: str | None = None
     # Whether this rank adds the real tokens of its batches to the global count: one rank per data-parallel replica
@@ -78,26 +96,28 @@ def peak_memory_bytes(device: torch.device) -> int:
 class TokenCounter:
     """train_batch(step, micro_step) that also counts the positions of each batch carrying loss (loss_weight > 0).
 
-    Counting the batch as built, before it is moved to the device, costs a comparison and a sum over (B, T) on the
-    CPU and no device synchronisation. pretrain.py gives the counting train_batch to its step function and to fit(),
-    which reads and resets the count at every logged window. Batches without a loss_weight are not counted."""
+    Counting the batch as handed to the step (after the prefetcher, train/prefetch.py: only batches trained count),
+    before it is moved to the device, costs a comparison and a sum over (B, T) on the CPU; the count stays a CPU
+    tensor until take(), so no batch converts anything. pretrain.py gives the counting train_batch to its step
+    function and to fit(), which reads and resets the count at every logged window. Batches without a loss_weight
+    are not counted."""
 
     def __init__(self, train_batch: Callable[[int, int], dict]):
         self.train_batch = train_batch
-        self.real_tokens = 0
+        self.real_tokens: int | torch.Tensor = 0
         self.batches = 0
 
     def __call__(self, step: int, micro_step: int) -> dict:
         batch = self.train_batch(step, micro_step)
         weight = batch.get("loss_weight")
         if weight is not None:
-            self.real_tokens += int((weight > 0).sum())
+            self.real_tokens = self.real_tokens + (weight > 0).sum()  # a CPU tensor: nothing waits
             self.batches += 1
         return batch
 
     def take(self) -> tuple[int, int]:
         """(real tokens, batches) counted since the last take()."""
-        out = self.real_tokens, self.batches
+        out = int(self.real_tokens), self.batches
         self.real_tokens, self.batches = 0, 0
         return out
 
@@ -132,9 +152,10 @@ def evaluate(
     return {"loss": nll / max(weight, 1e-12), "bits_per_base": bits_per_base(nll, weight), "bases": int(weight)}
 
 
-StepFn = Callable[[int], tuple[float, float | None]]
+StepFn = Callable[[int], tuple[torch.Tensor, torch.Tensor | float | None]]
 """One optimizer step, all its micro batches: step index -> (this rank's loss, the mean over the step's micro
-batches; the gradient norm if the step measured it, else None and the engine's is logged).
+batches, as a 0-dim float64 tensor on the device, not waited for: fit() reads it at its next sync point; the
+gradient norm if the step measured it, else None and the engine's is logged).
 
 Two implementations, with one signature: `forward_backward_step` below (engine(**batch), backward and step per
 micro batch) and parallel/pipeline.py `train_step` (DeepSpeed's pipeline schedule). Both take train_batch(step,
@@ -154,18 +175,19 @@ def forward_backward_step(
 ) -> StepFn:
     """The step of a plain DeepSpeed engine: engine(**batch), backward and step for each micro batch
     train_batch(step, m); grad_norm() and on_gradients(step) run between the last backward and the optimizer step.
-    before_update(step loss) runs after the last forward, before its backward: True discards the step's update
-    (train/divergence.py: the backward of a NaN-scaled loss makes the gradients non-finite, and DeepSpeed's
-    overflow check drops them)."""
+    before_update(step loss, a device tensor) runs after the last forward, before its backward: True discards the
+    step's update (train/divergence.py: the backward of a NaN-scaled loss makes the gradients non-finite, and
+    DeepSpeed's overflow check drops them); it reads the loss back only while the spike detector tests. Nothing
+    else here waits for the device: the loss is returned as a tensor."""
 
-    def run(step: int) -> tuple[float, float | None]:
+    def run(step: int) -> tuple[torch.Tensor, float | None]:
         step_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         own_norm = None
         for micro_step in range(grad_accum):
             loss, _, _ = engine(**to_device(train_batch(step, micro_step)))
             last = micro_step == grad_accum - 1
             step_loss += loss.detach().to(torch.float64)
-            if last and before_update is not None and before_update(float(step_loss) / grad_accum):
+            if last and before_update is not None and before_update(step_loss / grad_accum):
                 loss = loss * float("nan")
             engine.backward(loss)
             if last:
@@ -174,16 +196,17 @@ def forward_backward_step(
                 if on_gradients is not None:
                     on_gradients(step)
             engine.step()
-        return float(step_loss) / grad_accum, own_norm  # float() waits for the device
+        return step_loss / grad_accum, own_norm  # on the device: fit() reads it at its next sync point
 
     return run
 
 
 @dataclass
 class _Window:
-    """What a logging window has accumulated: the summed step losses, the steps and the time spent in them."""
+    """What a logging window has accumulated: the summed step losses (a device tensor between sync points, a float
+    once read back), the steps, and the seconds from sync point to sync point (evaluation and saving excluded)."""
 
-    loss: float = 0.0
+    loss: float | torch.Tensor = 0.0
     steps: int = 0
     seconds: float = 0.0
 
@@ -201,65 +224,68 @@ def fit(
     stop: StopRequest | None = None,
     guard=None,
     rollback: Callable[[int], int | None] | None = None,
+    sync_interval: int = 1,
 ) -> dict:
     """Train from plan.start_step to plan.stop_at; returns the last logged train row and eval row.
 
     train_step runs one optimizer step (StepFn). tokens, the TokenCounter train_step draws its batches from, gives
-    each row's real-token count (without it, window_real_tokens is None).
+    each row's real-token count (without it, window_real_tokens is None). sync_interval: steps between sync points
+    (module docstring); log, eval and checkpoint steps and the last step always are one.
 
-    A stop the ranks agree on (stop.decide, train/stopping.py) ends the run after the current step: the step is
+    A stop the ranks agree on at a sync point (train/stopping.py) ends the run after that step: the step is
     logged, a checkpoint of it saved (after SIGTERM/SIGINT only if it fits in the grace period, and no evaluation),
     and Preempted raised with the stop's exit code (unless the step was the invocation's last, which ends as usual).
     stop: the StopRequest pretrain.py installed at start-up, so that a signal then is not lost (default: one
     watching plan.stop_signal for the duration of fit).
 
-    guard (train/divergence.py Guard) judges every step; a bad one is handled as its policy says (skip, stop:
-    Diverged, rollback: rollback(bad step) reloads the last complete checkpoint and returns its step, which the
-    loop continues after, or None when there is none).
+    guard (train/divergence.py Guard) judges every step at the next sync point; a bad one is handled as its policy
+    says (skip, stop: Diverged, rollback: rollback(first bad step) reloads the last complete checkpoint and returns
+    its step, which the loop continues after, or None when there is none).
     """
     bar = _progress_bar(plan, progress)
     last_train: dict = {}
     last_eval: dict = {}
-    window = _Window()  # throughput counts only time spent in training steps, not evaluation or checkpoint saving
+    window = _Window()
     engine.train()
     own_stop = stop is None
     stop = StopRequest(plan.stop_signal) if own_stop else stop
     save_checkpoint = stop.timed(save_checkpoint)  # the grace period judges a save by the last one's duration
+    every = 1 if guard is not None and guard.every_step else max(1, sync_interval)
+    step, pending, mark = plan.start_step, [], time.perf_counter()
     try:
-        step = plan.start_step
         while step < plan.stop_at:
-            started = time.perf_counter()
             skipped_before = int(getattr(engine, "skipped_steps", 0))
             step_loss, own_norm = _step_or_stop(train_step, engine, step, save_checkpoint)
-            window.loss += step_loss
-            window.seconds += time.perf_counter() - started
-            window.steps += 1
-            done = step + 1
-            bad = _judge(guard, engine, done, step_loss, own_norm, skipped_before)
-            last = done == plan.stop_at
-            # At the last step there is nothing left to stop (the run ends as usual, exit code 0): no vote, on any rank.
-            halt = None if last else stop.decide(reduce_sum)
-            preempted = halt is not None
+            done, last = step + 1, step + 1 == plan.stop_at
+            norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+            pending.append(Done(done, step_loss, norm, int(getattr(engine, "skipped_steps", 0)) > skipped_before))
+            window.loss, window.steps = window.loss + step_loss, window.steps + 1
+            bar.update(1)
+            if not is_sync_point(plan, done, every):
+                step = done
+                continue
+            window.loss, bads, halt = agree(guard, stop, pending, window.loss, reduce_sum, last)
+            window.seconds += time.perf_counter() - mark  # the host waited for the device in agree()
+            pending, preempted, resumed_at = [], halt is not None, None
             if done % plan.log_interval == 0 or last or preempted:
                 last_train = _train_row(engine, plan, window, done, own_norm, tokens, reduce_sum)
                 writer.write(last_train)
                 bar.set_postfix(loss=f"{last_train['loss']:.4f}", tok_s=f"{last_train['tokens_per_s']:,.0f}")
                 window = _Window()
-            bar.update(1)
-            if bad is not None:
-                resumed_at = _handle_bad_step(bad, guard, rollback, writer, bar)
-                if resumed_at is not None:
-                    if tokens is not None:
-                        tokens.take()  # the rolled-back steps' tokens are not the next window's
-                    if preempted:  # the stop stands: the state is that of the checkpoint rolled back to
-                        saved = dataclasses.replace(halt, save=True)  # the checkpoint rolled back to exists
-                        raise Preempted(_stop_message(saved, stop, resumed_at, plan), resumed_at, halt.exit_code)
-                    window, step = _Window(), resumed_at
-                    continue
+            for bad in bads:  # in step order; only the last can be a rollback (Guard.verdicts)
+                resumed_at = handle_bad_step(bad, guard, rollback, writer, bar)
+            if resumed_at is not None:
+                if tokens is not None:
+                    tokens.take()  # the rolled-back steps' tokens are not the next window's
+                if preempted:  # the stop stands: the state is that of the checkpoint rolled back to
+                    saved = dataclasses.replace(halt, save=True)  # the checkpoint rolled back to exists
+                    raise Preempted(_stop_message(saved, stop, resumed_at, plan), resumed_at, halt.exit_code)
+                window, step, mark = _Window(), resumed_at, time.perf_counter()
+                continue
             last_eval = _after_step(plan, done, halt, run_eval, save_checkpoint, writer, bar) or last_eval
             if preempted:
                 raise Preempted(_stop_message(halt, stop, done, plan), done, halt.exit_code, halt.save)
-            step = done
+            step, mark = done, time.perf_counter()
     finally:
         if own_stop:
             stop.close()
@@ -278,43 +304,6 @@ def _progress_bar(plan: LoopPlan, progress: bool):
         dynamic_ncols=True,
         disable=not (progress and plan.rank == 0),
     )
-
-
-def _judge(guard, engine, done: int, step_loss: float, own_norm, skipped_before: int):
-    """The guard's verdict on step `done` (train/divergence.py), None without a guard: its loss, its gradient norm
-    (measured by the step, else DeepSpeed's) and whether DeepSpeed discarded it (skipped_steps grew)."""
-    if guard is None:
-        return None
-    skipped = int(getattr(engine, "skipped_steps", 0)) > skipped_before
-    norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
-    return guard.judge(done, step_loss, norm, skipped)
-
-
-def _handle_bad_step(bad, guard, rollback, writer: MetricsWriter, bar) -> int | None:
-    """Record the bad step and act on it (train/divergence.py); the step a rollback continues after, else None (the
-    run goes on with the next batch) or Diverged."""
-    from megagenome.train.divergence import Diverged
-
-    if bad.action == "rollback":
-        back_to = rollback(bad.step) if rollback is not None else None
-        if back_to is not None:
-            writer.truncate_after(back_to, sinks=False)  # the file matches the restored state, as after a resume
-            writer.write({**bad.row(), "step": back_to, "bad_step": bad.step, "skipped_batches": bad.step - back_to})
-            bar.write(f"step {bad.step}: {bad.reason} ({bad.detail}); rolled back to step {back_to}")
-            bar.n = back_to
-            guard.check_limit(bad)
-            return back_to
-        bad.action = "skip" if bad.discarded else "stop"
-        bad.detail += "; no complete checkpoint to roll back to yet"
-    writer.write({**bad.row(), "bad_step": bad.step})
-    bar.write(f"step {bad.step}: {bad.reason} ({bad.detail}); {bad.action}")
-    if bad.action == "stop":
-        raise Diverged(
-            f"step {bad.step}: {bad.reason} ({bad.detail}); --train.on_{bad.reason} stop: no checkpoint holds it; "
-            "the last complete checkpoint is the run's state"
-        )
-    guard.check_limit(bad)
-    return None
 
 
 def _after_step(plan: LoopPlan, done: int, halt: Stop | None, run_eval, save_checkpoint, writer, bar) -> dict | None:
@@ -367,8 +356,11 @@ def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tok
     window_tokens = plan.global_batch * plan.seq_len * window.steps
     tokens_per_s = window_tokens / max(window.seconds, 1e-9)
     hw_flops_per_token = plan.flops_per_token if plan.hw_flops_per_token is None else plan.hw_flops_per_token
-    tflops = plan.flops_per_token * tokens_per_s / plan.world_size / 1e12
-    hw_tflops = hw_flops_per_token * tokens_per_s / plan.world_size / 1e12
+    full = plan.flops_per_token if plan.flops_per_token_full_attn is None else plan.flops_per_token_full_attn
+    hw_full = hw_flops_per_token if plan.hw_flops_per_token_full_attn is None else plan.hw_flops_per_token_full_attn
+    tflops, hw_tflops, tflops_full, hw_tflops_full = (
+        f * tokens_per_s / plan.world_size / 1e12 for f in (plan.flops_per_token, hw_flops_per_token, full, hw_full)
+    )
     peak = plan.peak_tflops
     grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
     return {
@@ -383,6 +375,9 @@ def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tok
         "mfu": None if peak is None else tflops / peak,
         "hw_tflops_per_gpu": hw_tflops,
         "hfu": None if peak is None else hw_tflops / peak,
+        "tflops_per_gpu_full_attn": tflops_full,
+        "mfu_full_attn": None if peak is None else tflops_full / peak,
+        "hfu_full_attn": None if peak is None else hw_tflops_full / peak,
         "peak_tflops": peak,
         "peak_source": plan.peak_source,
         "window_tokens": window_tokens,
