@@ -219,12 +219,34 @@ def test_bad_steps_are_judged_at_the_next_sync_point_in_step_order(tmp_path, act
     events = [(r["step"], r["event"]) for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "event" in r]
     if action == "rollback":
         assert rolled == [(2, 4)] and events == [(0, "rollback")]  # noticed after step 4, back to before step 2
-        assert engine.forwards == 4 + 8 and calls == [2 * 4] * 3 + [3 + 1]  # steps 1-8 again: 2 sync points, a row
+        # steps 1-8 again: 2 sync points (votes on 4 steps, the step-time slot), a row
+        assert engine.forwards == 4 + 8 and calls == [2 * 4 + 1] * 3 + [3 + 1]
     else:
         assert rolled == [] and events == [(2, "skip"), (3, "skip")] and engine.forwards == 8
     # Good steps join the spike window in order; judging stopped at the rollback (steps 3-4 were undone by it).
     good = 1 + 8 if action == "rollback" else 8 - 2
     assert list(guard.window) == pytest.approx([float((engine.module.weight.detach() ** 2).sum())] * good)
+
+
+def test_a_rollback_without_checkpoint_skips_and_judges_the_steps_after_it(tmp_path):
+    """on_nonfinite rollback before any checkpoint: each bad step is skipped instead, and the steps after the first
+    are still judged at the same sync point (one event each, all counted against --train.nonfinite_limit), as at
+    --train.sync_interval 1."""
+    from megagenome.config import TrainConfig
+    from megagenome.train.divergence import Diverged, Guard
+
+    outcomes = {}
+    for every in (1, 8):
+        engine = NanEngine({2, 3, 4})
+        guard = Guard(TrainConfig(on_nonfinite="rollback", nonfinite_limit=2), lambda v: v, 1.0, fp16=False)
+        path = tmp_path / f"metrics{every}.jsonl"
+        writer = MetricsWriter(str(path), enabled=True)
+        step, tokens = step_of(engine)
+        with pytest.raises(Diverged, match="3 bad steps"):
+            fit(engine, plan(max_steps=8, log_interval=8), step, lambda: {}, [].append, writer, lambda v: v, False,
+                tokens, guard=guard, rollback=lambda bad: None, sync_interval=every)  # fmt: skip
+        outcomes[every] = [(r["step"], r["event"]) for r in read_metrics(str(path)) if "event" in r]
+    assert outcomes[8] == outcomes[1] == [(2, "skip"), (3, "skip"), (4, "skip")]
 
 
 def test_sync_interval_is_checked_and_defaults_to_ten():
@@ -234,3 +256,20 @@ def test_sync_interval_is_checked_and_defaults_to_ten():
     assert TrainConfig().sync_interval == 10
     problems = validate(RootConfig(train=TrainConfig(sync_interval=0)))
     assert "--train.sync_interval=0: must be positive" in problems
+
+
+def test_sync_points_come_sooner_when_steps_are_slow():
+    """Cadence: at most --train.sync_interval steps apart, and at most a quarter of --checkpoint.grace_s of agreed
+    step time, so a signal is acted on in time to save; log steps are always sync points."""
+    from megagenome.train.sync_points import Cadence
+
+    cadence = Cadence(plan(max_steps=100, log_interval=50), limit=10, grace_s=60.0)
+    for step_s, every in ((0.01, 10), (5.0, 3), (16.0, 1), (100.0, 1), (1.5, 10)):
+        cadence.synced(0, step_s)
+        assert cadence.every == every
+    points = []
+    for step in range(1, 71):
+        if cadence.due(step):
+            points.append(step)
+            cadence.synced(step, 5.0 if 20 <= step < 40 else 0.01)  # slow steps from 20 to 40
+    assert points == [10, 20, 23, 26, 29, 32, 35, 38, 41, 50, 60, 70]  # 50: a log step

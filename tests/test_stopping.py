@@ -97,13 +97,13 @@ def test_a_checkpoint_that_would_not_fit_in_the_grace_period_is_not_saved(tmp_pa
 def test_every_rank_must_judge_that_the_checkpoint_fits(tmp_path):
     """This rank never gets a signal; the other rank got SIGTERM and judged the save late: nobody saves, and both
     stop after the same step with the other rank's code."""
-    other = [0.0, 0.0, 0.0, 0.0]
+    other = [0.0, 0.0, 0.0, 0.0, 0.0]  # the stop vote's 4 slots, then the step-time slot (train/sync_points.py)
     votes = []
 
     def reduce_sum(values):
         if len(votes) == 1:  # the other rank's signal arrives during step 2
             other[TERMINATE], other[3] = 1.0, 1.0
-        if len(values) == 4 and len(votes) < 3:
+        if len(values) == 5 and len(votes) < 3:
             votes.append(list(values))
             return [a + b for a, b in zip(values, other)]
         return values
@@ -112,7 +112,7 @@ def test_every_rank_must_judge_that_the_checkpoint_fits(tmp_path):
     err, saved, steps = run_fit(tmp_path, StandInEngine(), stop, reduce_sum)
     assert (err.step, err.exit_code, err.saved, saved) == (2, SIGTERM_EXIT, False, [])
     assert str(err).startswith("SIGTERM received (or the launcher gone) on another rank: step 2 (of 6) not saved")
-    assert votes[:2] == [[0.0] * 4, [0.0] * 4]  # one vote per step, this rank's all down
+    assert [v[:4] for v in votes[:2]] == [[0.0] * 4, [0.0] * 4]  # one vote per step, this rank's all down
     assert stop.since is not None  # this rank's deadline runs from the agreement on
 
 
@@ -253,6 +253,7 @@ def test_every_rank_stops_after_the_same_step_with_sync_interval(tmp_path, sync_
     assert results[0] == results[1], results
     assert results[0]["step"] == stops_after and results[0]["saved"] == [stops_after] and results[0]["code"] == 75
     assert results[0]["steps"] == stops_after  # no step trained past the agreed one
-    # One collective per sync point (the guard's two votes per pending step and the stop's four slots), one row.
+    # One collective per sync point (the guard's two votes per pending step, the stop's four slots and the step
+    # time), one row.
     pending = [sync_interval] * (stops_after // sync_interval)
-    assert results[0]["calls"] == [2 * k + 4 for k in pending] + [3 + 1]
+    assert results[0]["calls"] == [2 * k + 4 + 1 for k in pending] + [3 + 1]

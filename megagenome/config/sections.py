@@ -214,11 +214,12 @@ class TrainConfig:
     log_interval: int = 10
     """Write a metrics row every this many steps."""
     sync_interval: int = 10
-    """Steps between the ranks' host-side agreements on stop signals and bad steps (train/loop.py): between them
-    no step waits for the device. Log, eval and checkpoint steps and the invocation's last step always agree; so a
-    signal stops the run at most this many steps later, and a bad step is acted on (skip, stop, rollback) at the next
-    agreement, with the same outcome as at 1 (today's per-step agreement). The spike detector (--train.spike_sigmas
-    > 0) makes every step agree."""
+    """Steps between the ranks' host-side agreements on stop signals and bad steps (train/sync_points.py): between
+    them no step waits for the device. Log, eval and checkpoint steps and the invocation's last step always agree,
+    and slow steps agree sooner: at most a quarter of --checkpoint.grace_s of step time apart. So a signal stops the
+    run at most this many steps (and grace_s/4 seconds) later, and a bad step is acted on (skip, stop, rollback) at
+    the next agreement, with the same outcome as at 1 (per-step agreement). The spike detector
+    (--train.spike_sigmas > 0) makes every step agree."""
     seed: int = 1234
     """Seed of weight initialisation and dropout."""
     num_threads: int | None = None
@@ -301,7 +302,8 @@ class CheckpointConfig:
     """After SIGTERM or SIGINT (Ctrl-C, an orchestrator, Slurm's TERM before KILL): every rank finishes the current
     step and saves a checkpoint of it if that fits in this many seconds from the signal (judged by the last save's
     duration); each rank exits at the latest this long after the signal (code 143 for TERM, 130 for INT). The ranks
-    agree on a signal at sync points only (--train.sync_interval): up to that many steps' time passes first."""
+    agree on a signal at sync points only (--train.sync_interval): up to that many steps, and at most a quarter of
+    grace_s, pass first."""
     verify: Literal["digest", "size"] = "digest"
     """How a checkpoint is verified before resuming from it against the file list in its COMPLETE marker: digest
     (SHA-256 and size of every file) or size (sizes only, for very large checkpoints). A bad checkpoint is named and

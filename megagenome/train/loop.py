@@ -47,7 +47,7 @@ import torch
 
 from megagenome.metrics import MetricsWriter, bits_per_base
 from megagenome.train.stopping import PREEMPTED_EXIT, Stop, StopRequest
-from megagenome.train.sync_points import Done, agree, handle_bad_step, is_sync_point
+from megagenome.train.sync_points import Cadence, Done, act_on_verdicts, agree
 
 
 @dataclass
@@ -243,14 +243,12 @@ def fit(
     its step, which the loop continues after, or None when there is none).
     """
     bar = _progress_bar(plan, progress)
-    last_train: dict = {}
-    last_eval: dict = {}
-    window = _Window()
+    last_train, last_eval, window = {}, {}, _Window()
     engine.train()
     own_stop = stop is None
     stop = StopRequest(plan.stop_signal) if own_stop else stop
     save_checkpoint = stop.timed(save_checkpoint)  # the grace period judges a save by the last one's duration
-    every = 1 if guard is not None and guard.every_step else max(1, sync_interval)
+    cadence = Cadence(plan, 1 if guard is not None and guard.every_step else sync_interval, stop.grace_s)
     step, pending, mark = plan.start_step, [], time.perf_counter()
     try:
         while step < plan.stop_at:
@@ -261,19 +259,19 @@ def fit(
             pending.append(Done(done, step_loss, norm, int(getattr(engine, "skipped_steps", 0)) > skipped_before))
             window.loss, window.steps = window.loss + step_loss, window.steps + 1
             bar.update(1)
-            if not is_sync_point(plan, done, every):
+            if not cadence.due(done):
                 step = done
                 continue
-            window.loss, bads, halt = agree(guard, stop, pending, window.loss, reduce_sum, last)
+            window.loss, judged, halt, total_s = agree(guard, stop, pending, window.loss, reduce_sum, last, mark)
             window.seconds += time.perf_counter() - mark  # the host waited for the device in agree()
-            pending, preempted, resumed_at = [], halt is not None, None
+            cadence.synced(done, None if total_s is None else total_s / plan.world_size / len(pending))
+            pending, preempted = [], halt is not None
             if done % plan.log_interval == 0 or last or preempted:
                 last_train = _train_row(engine, plan, window, done, own_norm, tokens, reduce_sum)
                 writer.write(last_train)
                 bar.set_postfix(loss=f"{last_train['loss']:.4f}", tok_s=f"{last_train['tokens_per_s']:,.0f}")
                 window = _Window()
-            for bad in bads:  # in step order; only the last can be a rollback (Guard.verdicts)
-                resumed_at = handle_bad_step(bad, guard, rollback, writer, bar)
+            resumed_at = act_on_verdicts(judged, guard, rollback, writer, bar)
             if resumed_at is not None:
                 if tokens is not None:
                     tokens.take()  # the rolled-back steps' tokens are not the next window's
@@ -281,6 +279,7 @@ def fit(
                     saved = dataclasses.replace(halt, save=True)  # the checkpoint rolled back to exists
                     raise Preempted(_stop_message(saved, stop, resumed_at, plan), resumed_at, halt.exit_code)
                 window, step, mark = _Window(), resumed_at, time.perf_counter()
+                cadence.last = resumed_at
                 continue
             last_eval = _after_step(plan, done, halt, run_eval, save_checkpoint, writer, bar) or last_eval
             if preempted:
