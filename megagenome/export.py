@@ -94,7 +94,7 @@ def export(
     if quantize_to != "int8" and (eval_fasta is not None or eval_windows is not None):
         raise ExportError("--eval_fasta and --eval_windows measure the int8 model: give them with --quantize int8")
     model_cfg, state, read_from, run_cfg = read_weights(source, step)
-    model_cfg = dataclasses.replace(model_cfg, init_from=None)  # a run option, not part of the model
+    model_cfg = dataclasses.replace(model_cfg, init_from=None, compile=False)  # run options, not part of the model
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")

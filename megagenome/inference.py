@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +77,10 @@ def load_model(path: str, step: int | None = None, dtype: str = "fp32", device: 
 
 
 def build_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> DNATransformer:
-    """A DNATransformer on CPU holding `state` (fp32 master copies become the parameters' fp32)."""
+    """A DNATransformer on CPU holding `state` (fp32 master copies become the parameters' fp32). Eager: the training
+    run's --model.compile is not carried over (windows and batches of any shape would each recompile)."""
     with torch.random.fork_rng(devices=[]):
-        model = DNATransformer(model_cfg, VOCAB_SIZE)
+        model = DNATransformer(replace(model_cfg, compile=False), VOCAB_SIZE)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model_cfg.tie_embeddings)]
     if missing or unexpected:

@@ -205,6 +205,8 @@ def test_auto_resolution_on_gpus(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
 
     def resolve(sm, flash, fa3, dtype=torch.bfloat16, dropout=0.0):
+        for key in [k for k in attn_mod._PROBES if isinstance(k, tuple) and k[0] == "auto"]:
+            monkeypatch.delitem(attn_mod._PROBES, key)  # what auto resolved to is memoised: resolve afresh
         monkeypatch.setitem(attn_mod._PROBES, ("sm", 0), sm)
         monkeypatch.setitem(attn_mod._PROBES, "flash", (lambda: None) if flash else None)
         monkeypatch.setitem(attn_mod._PROBES, "fa3", (lambda: None) if fa3 else None)
@@ -221,6 +223,26 @@ def test_auto_resolution_on_gpus(monkeypatch):
     assert resolve((9, 0), flash=True, fa3=True, dtype=torch.float32) == "sdpa"
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
     assert resolve((9, 0), flash=False, fa3=False) == "sdpa"
+
+
+def test_compiling_resolves_auto_on_every_gpu_beforehand(monkeypatch):
+    """Mocked (no GPU here): DNATransformer.compile_blocks resolves auto for every visible GPU, dtype and dropout and
+    probes the imports eagerly, on every rank, so a compiled (fullgraph) block only looks the answer up: dynamo
+    cannot trace an import or a device query."""
+    monkeypatch.setattr(attn_mod, "_PROBES", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    cfg = ModelConfig(d_model=16, n_layer=1, n_head=2, max_seq_len=16)
+    DNATransformer(cfg, 8).compile_blocks()
+    resolved = {k: v for k, v in attn_mod._PROBES.items() if isinstance(k, tuple) and k[0] == "auto"}
+    assert {"flash", "fa3"} <= set(attn_mod._PROBES)
+    assert len(resolved) == 2 * 2 * 2  # 2 GPUs x bf16/fp16 x with and without dropout
+    expected = "cudnn" if attn_mod._PROBES["fa3"] is None else "fa3"  # FA3 is not installed here
+    assert resolved[("auto", "cuda:1", torch.bfloat16, False)] == expected
+    assert resolved[("auto", "cuda:0", torch.float16, True)] == ("flash" if attn_mod._PROBES["flash"] else "sdpa")
 
 
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "fa3"])
@@ -260,6 +282,12 @@ def test_config_accepts_every_backend_and_compile_changes_no_checkpoint_key():
     compiled = config_from_dict({"model": {"compile": True, "attention": "cudnn"}})
     assert compiled.model.compile and not base.model.compile
     assert config_hash(base) == config_hash(compiled)  # a resume may switch either
+
+
+def test_fa3_with_dropout_is_refused_before_launch():
+    problems = validate(config_from_dict({"model": {"attention": "fa3", "dropout": 0.1}}))
+    assert any("--model.attention=fa3 with --model.dropout=0.1" in p for p in problems)
+    assert not [p for p in validate(config_from_dict({"model": {"attention": "fa3"}})) if "fa3" in p]
 
 
 @pytest.mark.parametrize("degree", ["pipeline", "tensor", "sequence"])
@@ -422,3 +450,15 @@ def test_cudnn_attention_with_causal_and_dropout_on_cuda(dropout):
         counts[kernel] = counter.get_total_flops()
     print(f"dropout {dropout}: FlopCounterMode counts {counts}")
     assert counts["cudnn"] == counts["math"] > 0
+
+
+def test_inference_builds_an_eager_model_from_a_compiled_run():
+    """--model.compile is a training option: the model inference, export and scoring build is eager (each window
+    or batch shape would recompile a compiled block)."""
+    from megagenome.inference import build_model
+
+    cfg = ModelConfig(d_model=16, n_layer=1, n_head=2, max_seq_len=16, compile=True)
+    trained = DNATransformer(cfg, 8)
+    assert trained.blocks[0]._compiled_call_impl is not None
+    model = build_model(cfg, trained.state_dict())
+    assert model.blocks[0]._compiled_call_impl is None and not model.cfg.compile

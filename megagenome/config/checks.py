@@ -116,6 +116,8 @@ def _model_problems(m: ModelConfig) -> list[str]:
             problems.append(
                 f"head size --model.d_model/--model.n_head={m.d_model // m.n_head} must be even for rotary embeddings"
             )
+    if m.attention == "fa3" and m.dropout > 0:
+        problems.append(f"--model.attention=fa3 with --model.dropout={m.dropout}: FlashAttention-3 has no dropout")
     if m.checkpointing == "every_k" and not 0 < m.checkpoint_every <= max(m.n_layer, 1):
         problems.append(
             f"--model.checkpoint_every={m.checkpoint_every}: must be within [1, --model.n_layer={m.n_layer}]"

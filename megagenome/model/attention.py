@@ -100,11 +100,29 @@ def attention_backend(kernel: str, device: torch.device | str, dtype: torch.dtyp
     device = torch.device(device)
     if device.type != "cuda" or dtype not in FLASH_DTYPES:
         return "sdpa"
-    if dropout_p == 0 and fa3_available() and _capability(device)[0] == 9:
-        return "fa3"
-    if dropout_p == 0 and cudnn_attention_available(device):
-        return "cudnn"
-    return "flash" if flash_available() else "sdpa"
+    key = ("auto", str(device), dtype, bool(dropout_p))
+    if key not in _PROBES:
+        if dropout_p == 0 and fa3_available() and _capability(device)[0] == 9:
+            _PROBES[key] = "fa3"
+        elif dropout_p == 0 and cudnn_attention_available(device):
+            _PROBES[key] = "cudnn"
+        else:
+            _PROBES[key] = "flash" if flash_available() else "sdpa"
+    return _PROBES[key]
+
+
+def resolve_before_compile() -> None:
+    """Resolve what auto picks on every visible GPU, in both 16-bit dtypes, with and without dropout, and probe the
+    flash-attn imports, eagerly: a compiled block (--model.compile, fullgraph) then only looks the answers up, since
+    dynamo cannot trace an import or a device query. DNATransformer.compile_blocks calls it on every rank."""
+    _flash_attn_func()
+    _fa3_func()
+    if not torch.cuda.is_available():
+        return
+    for index in range(torch.cuda.device_count()):
+        for dtype in FLASH_DTYPES:
+            for dropout_p in (0.0, 0.1):
+                attention_backend("auto", torch.device("cuda", index), dtype, dropout_p)
 
 
 def attention_summary(kernel: str, device: torch.device | str, dtype: torch.dtype, dropout_p: float = 0.0) -> str:

@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megagenome.config import ModelConfig
+from megagenome.model.attention import resolve_before_compile
 from megagenome.model.distill import Teacher, distill_sums
 from megagenome.model.layers import Block, DenseLayers, RMSNorm, init_normal_
 
@@ -92,6 +93,7 @@ class DNATransformer(nn.Module):
         or DeepSpeed's) runs inside the block and may split it. Compilation happens at the first forward; call this
         before deepspeed.initialize, which only wraps the module.
         """
+        resolve_before_compile()  # what attention's auto picks, probed eagerly: dynamo cannot trace the probes
         fullgraph = self.cfg.checkpointing != "selective"
         for block in self.blocks:
             block.compile(fullgraph=fullgraph, dynamic=False)
