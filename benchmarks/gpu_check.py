@@ -14,11 +14,13 @@ recorded as skipped, with the reason):
 2. megagenome cells (gpu_check_cells.py): `python -m megagenome pretrain` with configs/dna_1b.yaml or
    configs/dna_125m.yaml at seq 8192, 32768, 2048, their DeepSpeed JSON (ds_configs/zero2_bf16.json: bf16, fp32
    gradient accumulation and master weights), --model.attention auto (the fastest backend installed: FA3, cuDNN
-   attention, flash-attn, SDPA; each cell records the backend its start-up line names), torch's fused AdamW
-   (build_ds_config's GPU default: nothing is JIT-built), 3 warm-up + 10 timed optimizer steps of one micro batch
-   each. The goal cells (1B at 8192 and 32768) come first, then the goal cell with --model.compile true. A cell's
-   child process is ended as soon as its timed rows are written, so no held-out evaluation and no checkpoint (~16 GB
-   at 1B) happens in or after it; tokens/s is the median of the timed steps' metrics rows.
+   attention, flash-attn, SDPA; each cell records auto's choice, as its start-up line names it: SDPA may still fall
+   back from cuDNN to another kernel for a shape cuDNN refuses, silently), torch's fused AdamW (build_ds_config's GPU
+   default: nothing is JIT-built), 5 warm-up + 10 timed optimizer steps of one micro batch each, with a metrics row,
+   and so a wait for the GPU (train/sync_points.py), only every 5 steps. The goal cells (1B at 8192 and 32768) come
+   first, then the goal cell with --model.compile true. A cell's child process is ended as soon as its timed rows are
+   written, so no held-out evaluation and no checkpoint (~16 GB at 1B) happens in or after it; tokens/s is that of
+   the 2 timed rows (their tokens over their wall time, each from one sync point to the next).
 3. Hugging Face peer cells of the same shapes: transformers' LlamaForCausalLM (vocabulary 8, width, layers, heads,
    SwiGLU width and tied embeddings as ours), "flash_attention_2" where flash-attn imports, else "sdpa"; fp32
    weights under bf16 autocast, fused AdamW, clipping at 1.0, random DNA tokens, the micro batch megagenome fitted.
@@ -33,7 +35,8 @@ memory, capped at 65,536 tokens; halved after an out-of-memory error while time 
 
 Goals (issue 14, Megatron's causal convention): at least 45% MFU for megagenome 1B at 8192 and at least 35% at 32768
 on an H100/H200-class GPU. Results: gpu_check.json and gpu_check.md in --out (default: $OUT when set, else
-benchmarks/results/): date, device, versions, every cell, the tests, the verdicts.
+benchmarks/results/): date, device, versions, every cell, the tests, the verdicts; rewritten after the tests and
+after every cell ("complete": false until the end), and a cell that raises is recorded with status "error".
 
 Running it on a lent GPU machine (one command, under 8 minutes). The machine's image has torch, transformers and
 pytest but not deepspeed, jsonargparse, pyfaidx or their needs, and nothing can be downloaded there, so carry wheels
@@ -56,10 +59,10 @@ Step 0 names anything still missing (numpy, packaging, tqdm and PyYAML come with
 transformers). flash-attn is not in that image and needs a wheel built for its torch and CUDA: without it the cells
 run cuDNN attention or SDPA and the results say which.
 
-On CPU, `--smoke` runs the same steps with tiny shapes (sequence 64, 128 and 256), SDPA, 1 warm-up + 1 timed step, no
-GPU tests, and the peer cells only if transformers is installed: tests/test_gpu_check.py runs it end to end.
+On CPU, `--smoke` runs the same steps at tiny shapes (sequence 64, 128, 256), SDPA, 2 warm-up + 2 timed steps in
+rows of 2, no GPU tests, and the peer cells only if transformers is installed: tests/test_gpu_check.py runs it.
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget_s 450] [--smoke] [--skip_tests]
+    python benchmarks/gpu_check.py [--out DIR] [--budget_s 450] [--smoke] [--skip_tests] [--log_interval 5]
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ import pathlib
 import platform
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -274,15 +278,20 @@ def _pct(x: float | None) -> str:
 
 
 def markdown(r: dict) -> str:
-    dev, v, t = r["device"], r["versions"], r["tests"]
+    dev, v, t, s = r["device"], r["versions"], r["tests"], r["steps"]
+    partial = "" if r.get("complete", True) else f", PARTIAL: written after {len(r['cells'])} cells"
     lines = [
-        f"# GPU check ({r['date']}{', smoke run on CPU' if r['smoke'] else ''})",
+        f"# GPU check ({r['date']}{', smoke run on CPU' if r['smoke'] else ''}{partial})",
         "",
         f"Device: {dev['name']}" + (f", {dev['memory_bytes'] / 2**30:.0f} GiB" if dev.get("memory_bytes") else ""),
         "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
         f"Command: `{r['command']}`; wall time {r['wall_s']:.0f} s of a {r['budget_s']:.0f} s budget.",
         "Packages not importable (optional): " + (", ".join(m["pip"] for m in r["optional_missing"]) or "none") + ".",
-        f"Attention: megagenome --model.attention auto ({r['attention']}).",
+        f"Attention: megagenome --model.attention auto, {r['attention']}: what auto picks (the cells' start-up line),"
+        " not a record of the kernel: under cuDNN attention torch's SDPA may fall back to flash, efficient or math"
+        " attention for a shape cuDNN refuses, silently.",
+        f"Steps per cell: {s['warmup']} warm-up + {s['steps']} timed, a metrics row and the loop's only wait for the"
+        f" GPU every {s['log_interval']}; tokens/s over the timed rows. {s['note']}".rstrip(),
         f"Micro batch: {r['micro_batch_method']}.",
         "",
         "## GPU-marked tests",
@@ -301,8 +310,8 @@ def markdown(r: dict) -> str:
         "",
         "## MFU (bf16, one GPU; causal: 6N + 6·L·d·s per token as Megatron-LM counts; full: 6N + 12·L·d·s, PaLM)",
         "",
-        "| implementation | model | params | seq | micro | attention | tokens/s | MFU causal | MFU full "
-        "| TFLOP/s causal | peak memory | status |",
+        "| implementation | model | params | seq | micro | attention (auto's choice) | tokens/s | MFU causal "
+        "| MFU full | TFLOP/s causal | peak memory | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(c) for c in r["cells"]]
@@ -315,7 +324,7 @@ def markdown(r: dict) -> str:
 def _row(c: dict) -> str:
     ok = c["status"] == "ok"
     impl = c["impl"] + (" (compiled)" if c.get("variant") == "compile" else "")
-    attention = c.get("attention_ran") or c.get("attn_implementation") or c.get("attention") or "-"
+    attention = c.get("attention_auto_choice") or c.get("attn_implementation") or c.get("attention") or "-"
     row = [
         impl,
         c["model"],
@@ -339,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget_s", type=float, default=450.0, help="wall-clock budget of the whole check")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, no GPU tests (for the CPU test)")
     ap.add_argument("--skip_tests", action="store_true", help="skip step 1 (pytest -m gpu)")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per cell (default 3; smoke 1)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per cell (default 10; smoke 1)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per cell (default 5; smoke 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per cell (default 10; smoke 2)")
+    ap.add_argument("--log_interval", type=int, default=None, help="steps per metrics row (default 5; smoke 2)")
     ap.add_argument("--hf_cell", default=None, help=argparse.SUPPRESS)  # internal: one peer cell, in a child
     args = ap.parse_args(argv)
     if args.hf_cell:
@@ -353,8 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     report_probe(missing, optional)
     if missing:
         return MISSING_EXIT
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
-    args.steps = args.steps if args.steps is not None else (1 if args.smoke else 10)
     out = pathlib.Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "results")
     os.chdir(REPO)  # the shipped configs name their files relative to the repository root
     dev = device_info()
@@ -362,6 +370,42 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device; use --smoke on CPU", file=sys.stderr)
         return 2
     import gpu_check_cells as cells_mod
+
+    default = 2 if args.smoke else None
+    plan = cells_mod.step_plan(
+        args.warmup if args.warmup is not None else default or 5,
+        args.steps if args.steps is not None else default or 10,
+        args.log_interval or default or 5,
+    )
+    if plan["note"]:
+        print(f"gpu_check: {plan['note']}", file=sys.stderr, flush=True)
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "smoke": args.smoke,
+        "budget_s": args.budget_s,
+        "device": dev,
+        "versions": versions(),
+        "optional_missing": optional,
+        "attention": f"auto's choice here: {cells_mod.expected_backend(dev['type'])}",
+        "micro_batch_method": "fixed at 2 (smoke)" if args.smoke else _MICRO_METHOD,
+        "steps": {**plan, "grad_accum": 1},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_steps(args, result, plan, clock, out, optional)
+    write_results(out, result)
+    print(markdown(result))
+    return 0
+
+
+def run_steps(args, result: dict, plan: dict, clock: Clock, out: pathlib.Path, optional: list[dict]) -> dict:
+    """Steps 1 and 2 and 3; the results so far are written to `out` after the tests and after every cell (marked
+    "complete": false), so that a check killed half-way leaves what it measured."""
+    import gpu_check_cells as cells_mod
+
+    def partial(tests: dict, cells: list[dict], complete: bool = False) -> dict:
+        now = {"complete": complete, "wall_s": round(clock.spent(), 1), "tests": tests, "cells": cells}
+        return {**result, **now, "goals": goals(cells, result["device"], args.smoke)}
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="mg-gpu-check-"))
     try:
@@ -373,30 +417,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tests = run_gpu_tests(clock, work)
             print(f"gpu_check: tests: {json.dumps({k: tests[k] for k in ('passed', 'failed', 'skipped')})}", flush=True)
-        cells = cells_mod.run_cells(args.smoke, args.warmup, args.steps, clock, work, dev)
+        write_results(out, partial(tests, []))
+        on_cell = lambda cells: write_results(out, partial(tests, cells))  # noqa: E731
+        cells = cells_mod.run_cells(args.smoke, plan, clock, work, result["device"], on_cell)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "smoke": args.smoke,
-        "budget_s": args.budget_s,
-        "wall_s": round(clock.spent(), 1),
-        "device": dev,
-        "versions": versions(),
-        "optional_missing": optional,
-        "attention": f"resolves to {cells_mod.expected_backend(dev['type'])} here",
-        "micro_batch_method": "fixed at 2 (smoke)" if args.smoke else _MICRO_METHOD,
-        "steps": {"warmup": args.warmup, "timed": args.steps, "grad_accum": 1},
-        "tests": tests,
-        "cells": cells,
-        "goals": goals(cells, dev, args.smoke),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "gpu_check.md").write_text(markdown(result))
-    print(markdown(result))
-    return 0
+    return partial(tests, cells, complete=True)
+
+
+def write_results(out: pathlib.Path, result: dict) -> None:
+    """gpu_check.json and gpu_check.md in `out`, each replaced whole (never left half-written); a failure to write
+    is reported and the check goes on."""
+    try:
+        for name, text in (("gpu_check.json", json.dumps(result, indent=2) + "\n"), ("gpu_check.md", markdown(result))):
+            tmp = out / f".{name}.tmp"
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, out / name)
+    except Exception as e:
+        print(f"gpu_check: could not write the results to {out}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 _MICRO_METHOD = (
@@ -406,4 +444,5 @@ _MICRO_METHOD = (
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM: end the cell's child, clean up
     sys.exit(main())

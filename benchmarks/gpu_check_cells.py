@@ -2,11 +2,11 @@
 a `--model.compile true` variant of the goal cell, and a Hugging Face peer of the same shapes (docstring of
 gpu_check.py). Imported only after gpu_check.py has probed every package these imports need.
 
-A megagenome cell is `python -m megagenome pretrain` in a child process (the trial config of megagenome/trials.py:
-one micro batch per step, a metrics row per step, no evaluation or checkpoint before the last step), watched here:
-once the timed steps' rows are written the child is ended, so the last step's held-out batch and its checkpoint (16
-bytes per parameter, ~16 GB at 1B, hashed with SHA-256 before the run ends) never run. Throughput comes from the
-rows, which count only the time inside training steps.
+A megagenome cell is `python -m megagenome pretrain` in a child (megagenome/trials.py's trial config: one micro
+batch per step, no evaluation or checkpoint before the last step), ended once its timed rows are written, so the
+last step's held-out batch and checkpoint (~16 GB at 1B) never run. It writes a metrics row, and syncs with the GPU
+(train/sync_points.py), only every `log_interval` steps (step_plan; --train.sync_interval the same): the timed rows,
+those after the warm-up rows, each cover their window's wall time from one sync point to the next.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 from megagenome import trials
 from megagenome.config import RootConfig, d_ff, to_dict
@@ -91,41 +92,75 @@ def cell_config(model: str, seq: int, variant: str, smoke: bool, fasta: str) -> 
 
 
 def expected_backend(device_type: str) -> str:
-    """The backend --model.attention auto resolves to here in bf16 (what the cells' start-up log line says)."""
-    import torch
+    """The backend --model.attention auto chooses here in bf16 (as the cells' start-up line): a prediction, not the
+    kernel that ran (under cuDNN attention SDPA may fall back to another kernel for a shape cuDNN refuses, silently)."""
+    try:
+        import torch
 
-    from megagenome.model.attention import attention_backend
+        from megagenome.model.attention import attention_backend
 
-    return attention_backend("auto", device_type, torch.bfloat16)
+        return attention_backend("auto", device_type, torch.bfloat16)
+    except Exception as e:  # the check goes on; the cells say what ran
+        return f"unknown ({type(e).__name__}: {e})"[:200]
 
 
-def megagenome_cell(cfg: RootConfig, micro: int, warmup: int, steps: int, work: pathlib.Path, timeout: float) -> dict:
-    """Train `cfg` at micro batch `micro` in a child until warmup + steps metrics rows exist, then end it."""
+def step_plan(warmup: int, steps: int, log_interval: int) -> dict:
+    """Warm-up and timed steps of a cell in whole metrics rows of `log_interval` steps (each rounded up, with a
+    note; at least one timed row): the rows after the warm-up ones are timed."""
+    k = max(1, log_interval)
+    w, s = math.ceil(max(0, warmup) / k) * k, max(1, math.ceil(steps / k)) * k
+    notes = [
+        f"{flag} {n} rounded up to {m}" for flag, n, m in (("--warmup", warmup, w), ("--steps", steps, s)) if n != m
+    ]
+    note = ", ".join(notes) + f" (a metrics row every {k} steps)" if notes else ""
+    return {"log_interval": k, "warmup": w, "steps": s, "warmup_rows": w // k, "timed_rows": s // k, "note": note}
+
+
+def cell_trial_config(cfg: RootConfig, micro: int, plan: dict, run_dir: pathlib.Path) -> RootConfig:
+    """trials.trial_config of `cfg` for the plan's steps at micro batch `micro`, with a metrics row and a sync point
+    every plan["log_interval"] steps (the trial's: a row, so a sync, every step)."""
+    r, k = dataclasses.replace, plan["log_interval"]
+    trial = trials.trial_config(cfg, plan["warmup"] + plan["steps"])
+    train = r(trial.train, micro_batch_size=micro, log_interval=k, sync_interval=k)
+    return r(trial, train=train, log=r(trial.log, run_dir=str(run_dir)))
+
+
+def timed_rows(rows: list[dict], plan: dict) -> list[dict]:
+    """The rows of the timed steps: those after the warm-up steps, plan["timed_rows"] of them."""
+    return [row for row in rows if row["step"] > plan["warmup"]][: plan["timed_rows"]]
+
+
+def throughput(timed: list[dict]) -> dict:
+    """tokens/s over the timed rows (their tokens over their summed window times) and each row's."""
+    tokens = [row["window_tokens"] for row in timed]
+    seconds = sum(n / row["tokens_per_s"] for n, row in zip(tokens, timed))
+    rates = [round(row["tokens_per_s"], 1) for row in timed]
+    return {"tokens_per_s": sum(tokens) / seconds, "timed_s": round(seconds, 3), "row_tokens_per_s": rates}
+
+
+def megagenome_cell(cfg: RootConfig, micro: int, plan: dict, work: pathlib.Path, timeout: float) -> dict:
+    """Train `cfg` at micro batch `micro` in a child until the plan's warm-up and timed rows exist, then end it."""
     name = f"mg_micro{micro}"
     run_dir, config_path, log_path = work / name, work / f"{name}.yaml", work / f"{name}.log"
     shutil.rmtree(run_dir, ignore_errors=True)
-    r = dataclasses.replace
-    trial = trials.trial_config(cfg, warmup + steps)
-    trial = r(trial, train=r(trial.train, micro_batch_size=micro), log=r(trial.log, run_dir=str(run_dir)))
-    write_yaml(str(config_path), to_dict(trial))
+    write_yaml(str(config_path), to_dict(cell_trial_config(cfg, micro, plan, run_dir)))
     cmd = [sys.executable, "-m", "megagenome", "pretrain", "--config", str(config_path)]
-    started = time.monotonic()
-    rc, rows, how = _watch(cmd, log_path, run_dir / "metrics.jsonl", warmup + steps, timeout)
+    started, want = time.monotonic(), plan["warmup_rows"] + plan["timed_rows"]
+    rows, how = _watch(cmd, log_path, run_dir / "metrics.jsonl", want, timeout)
     wall = round(time.monotonic() - started, 1)
     text = log_path.read_text(encoding="utf-8", errors="replace")
     shutil.rmtree(run_dir, ignore_errors=True)
-    found = _PARAMETERS.search(text)
-    backend = _ATTENTION.findall(text)
+    found, backend = _PARAMETERS.search(text), _ATTENTION.findall(text)
     out = {
         "micro": micro,
         "wall_s": wall,
         "ended": how,
         "parameters": int(found[1].replace(",", "")) if found else None,
     }
-    out["attention_ran"] = backend[-1] if backend else None
-    if how == "done" or (rc == 0 and len(rows) >= warmup + steps):
-        timed = rows[warmup:]
-        out.update(status="ok", tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed))
+    out["attention_auto_choice"] = backend[-1] if backend else None  # the start-up line: what auto chose
+    timed = timed_rows(rows, plan)
+    if len(timed) == plan["timed_rows"]:
+        out.update(status="ok", **throughput(timed))
         out["peak_tflops"], out["peak_source"] = rows[-1].get("peak_tflops"), rows[-1].get("peak_source")
         peaks = [r.get("mem_peak_bytes_max") or r.get("mem_peak_bytes") for r in rows]
         out["peak_mem_bytes"] = max((p for p in peaks if p), default=None)
@@ -138,7 +173,7 @@ def megagenome_cell(cfg: RootConfig, micro: int, warmup: int, steps: int, work: 
 
 def _watch(cmd: list[str], log_path: pathlib.Path, metrics: pathlib.Path, want: int, timeout: float):
     """Run cmd in a session of its own; end it (SIGKILL to the group) once `metrics` holds `want` training rows, or
-    at the timeout. Returns (exit status or None, the rows, "done" | "exited" | "timeout")."""
+    at the timeout. Returns (the rows, "done" | "exited" | "timeout")."""
     deadline = time.monotonic() + timeout
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(
@@ -146,14 +181,13 @@ def _watch(cmd: list[str], log_path: pathlib.Path, metrics: pathlib.Path, want: 
         )
         how = "exited"
         try:
-            while proc.poll() is None:
+            while how == "exited" and proc.poll() is None:
                 if len(train_rows(metrics)) >= want:
                     how = "done"
-                    break
-                if time.monotonic() > deadline:
+                elif time.monotonic() > deadline:
                     how = "timeout"
-                    break
-                time.sleep(0.25)
+                else:
+                    time.sleep(0.25)
         finally:
             if proc.poll() is None:
                 try:
@@ -161,8 +195,7 @@ def _watch(cmd: list[str], log_path: pathlib.Path, metrics: pathlib.Path, want: 
                 except ProcessLookupError:
                     pass
             proc.wait()
-    rc = None if how != "exited" else proc.returncode
-    return rc, train_rows(metrics), how
+    return train_rows(metrics), how
 
 
 def train_rows(path: pathlib.Path) -> list[dict]:
@@ -301,59 +334,84 @@ def parameters(cfg: RootConfig) -> int:
 
 def peer_available() -> str | None:
     """None when the peer can run, else why not."""
-    if importlib.util.find_spec("transformers") is None:
-        return "transformers is not installed (pip install -e '.[bench]')"
-    return None
+    missing = importlib.util.find_spec("transformers") is None
+    return "transformers is not installed (pip install -e '.[bench]')" if missing else None
 
 
 def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def run_cells(smoke: bool, warmup: int, steps: int, clock, work: pathlib.Path, dev: dict) -> list[dict]:
+def run_cells(smoke: bool, plan: dict, clock, work: pathlib.Path, dev: dict, on_cell=None) -> list[dict]:
     """Every cell in order (MEGAGENOME_CELLS, then PEER_CELLS), each skipped with the reason when the time left
     (clock: gpu_check.Clock) is below what it needs; an out-of-memory cell is retried at half the micro batch while
-    time allows. MFU against the datasheet peak of the GPU (the rows' measured matmul peak on CPU)."""
+    time allows. MFU against the GPU's datasheet peak (the rows' measured matmul peak on CPU). A cell that raises is
+    recorded with status "error" (guarded) and the next runs; on_cell(cells) runs after every cell."""
     cells, fitted = [], {}
     flash = dev["type"] == "cuda" and importlib.util.find_spec("flash_attn") is not None
-    hf_attention = "flash_attention_2" if flash else "sdpa"
     expected = expected_backend(dev["type"])
+    steps = {k: plan[k] for k in ("warmup", "steps", "log_interval")}
     for model, full_seq, variant in SMOKE_CELLS if smoke else MEGAGENOME_CELLS:
         seq = SMOKE_SEQ[full_seq] if smoke else full_seq
-        cfg = cell_config(model, seq, variant, smoke, genome_copy(model, work))
-        m = cfg.model
-        base = {"impl": "megagenome", "variant": variant, "model": model, "seq": seq, "d_model": m.d_model}
-        attention = "flash" if variant == "flash" else f"auto: {expected}"
-        base.update(n_layer=m.n_layer, n_head=m.n_head, warmup=warmup, steps=steps, attention=attention)
-        micro = _micro(cfg, seq, smoke, dev)
-        if variant == "flash" and not flash:
-            cells.append({**base, "status": "skipped", "micro": micro, "reason": "flash-attn is not importable here"})
-            continue
-        need = 10 if smoke else NEEDS[("megagenome", model)] + (COMPILE_EXTRA_S if variant == "compile" else 0)
-        out = _attempts(lambda mb, t, cfg=cfg: megagenome_cell(cfg, mb, warmup, steps, work, t), micro, need, clock)
-        cell = with_mfu({**base, **out}, dev.get("peak_tflops") or out.get("peak_tflops"))
-        _report(cell)
-        cells.append(cell)
+        base = {"impl": "megagenome", "variant": variant, "model": model, "seq": seq, **steps}
+        base["attention"] = "flash" if variant == "flash" else f"auto's choice: {expected}"
+        run = lambda base=base: _megagenome_one(base, smoke, plan, clock, work, dev, flash)  # noqa: E731
+        cell = _finish(guarded(run, base), cells, on_cell)
         if cell["status"] == "ok" and variant == "eager":
             fitted[(model, seq)] = cell["micro"]
-    missing = peer_available()
+    hf_attention = "flash_attention_2" if flash else "sdpa"
     for model, full_seq in SMOKE_PEER_CELLS if smoke else PEER_CELLS:
         seq = SMOKE_SEQ[full_seq] if smoke else full_seq
-        cfg = cell_config(model, seq, "eager", smoke, genome_copy(model, work))
-        m = cfg.model
-        base = {"impl": "hf", "variant": "eager", "model": model, "seq": seq, "d_model": m.d_model}
-        base.update(n_layer=m.n_layer, n_head=m.n_head, warmup=warmup, steps=steps, attention=hf_attention)
-        if missing:
-            cells.append({**base, "status": "skipped", "reason": missing})
-            continue
-        micro = fitted.get((model, seq)) or _micro(cfg, seq, smoke, dev)
-        spec = {**base, "d_ff": d_ff(m), "attn_implementation": hf_attention}
-        need = 10 if smoke else NEEDS[("hf", model)]
-        out = _attempts(lambda mb, t, spec=spec: hf_cell({**spec, "micro": mb}, work, t), micro, need, clock)
-        cell = with_mfu({**base, **out}, dev.get("peak_tflops") or _cpu_peak(cells))
-        _report(cell)
-        cells.append(cell)
+        base = {"impl": "hf", "variant": "eager", "model": model, "seq": seq, **steps, "attention": hf_attention}
+        run = lambda base=base: _peer_one(base, smoke, plan, clock, work, dev, fitted, cells)  # noqa: E731
+        _finish(guarded(run, base), cells, on_cell)
     return cells
+
+
+def guarded(run, base: dict) -> dict:
+    """run(), or `base` with status "error" and the traceback's tail when it raises."""
+    try:
+        return run()
+    except Exception as e:
+        return {**base, "status": "error", "reason": f"{type(e).__name__}: {e}\n{_tail(traceback.format_exc())}"}
+
+
+def _finish(cell: dict, cells: list[dict], on_cell) -> dict:
+    _report(cell)
+    cells.append(cell)
+    if on_cell is not None:
+        on_cell(cells)
+    return cell
+
+
+def _megagenome_one(base: dict, smoke: bool, plan: dict, clock, work: pathlib.Path, dev: dict, flash: bool) -> dict:
+    model, seq, variant = base["model"], base["seq"], base["variant"]
+    cfg, base = _shaped(base, variant, smoke, work)
+    micro = _micro(cfg, seq, smoke, dev)
+    if variant == "flash" and not flash:
+        return {**base, "status": "skipped", "micro": micro, "reason": "flash-attn is not importable here"}
+    need = 10 if smoke else NEEDS[("megagenome", model)] + (COMPILE_EXTRA_S if variant == "compile" else 0)
+    out = _attempts(lambda mb, t: megagenome_cell(cfg, mb, plan, work, t), micro, need, clock)
+    return with_mfu({**base, **out}, dev.get("peak_tflops") or out.get("peak_tflops"))
+
+
+def _peer_one(base: dict, smoke, plan: dict, clock, work: pathlib.Path, dev: dict, fitted: dict, cells) -> dict:
+    model, seq = base["model"], base["seq"]
+    cfg, base = _shaped(base, "eager", smoke, work)
+    missing = peer_available()
+    if missing:
+        return {**base, "status": "skipped", "reason": missing}
+    micro = fitted.get((model, seq)) or _micro(cfg, seq, smoke, dev)
+    spec = {**base, "d_ff": d_ff(cfg.model), "attn_implementation": base["attention"]}
+    need = 10 if smoke else NEEDS[("hf", model)]
+    out = _attempts(lambda mb, t: hf_cell({**spec, "micro": mb}, work, t), micro, need, clock)
+    return with_mfu({**base, **out}, dev.get("peak_tflops") or _cpu_peak(cells))
+
+
+def _shaped(base: dict, variant: str, smoke: bool, work: pathlib.Path) -> tuple[RootConfig, dict]:
+    cfg = cell_config(base["model"], base["seq"], variant, smoke, genome_copy(base["model"], work))
+    m = cfg.model
+    return cfg, {**base, "d_model": m.d_model, "n_layer": m.n_layer, "n_head": m.n_head}
 
 
 def _micro(cfg: RootConfig, seq: int, smoke: bool, dev: dict) -> int:
@@ -365,11 +423,8 @@ def _attempts(run, micro: int, need: float, clock) -> dict:
     """run(micro, timeout) at `micro`, halved after an out-of-memory error while time allows; the last outcome with
     the list of attempts, or a skipped cell when there is not the time to start it."""
     if clock.left() < need:
-        return {
-            "status": "skipped",
-            "micro": micro,
-            "reason": f"time budget: {clock.left():.0f} s left, needs ~{need} s",
-        }
+        reason = f"time budget: {clock.left():.0f} s left, needs ~{need} s"
+        return {"status": "skipped", "micro": micro, "reason": reason}
     attempts = []
     while True:
         out = run(micro, max(need, clock.left() - 2))

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py on CPU: its package probe, arithmetic, peaks and verdicts, and a `--smoke` run end to end
-(tiny shapes, SDPA, no GPU tests; the Hugging Face peer cells run where transformers is installed and are skipped
-with the reason where it is not). Checks outputs, never speed: no GPU runs here.
+"""benchmarks/gpu_check.py on CPU: its package probe, arithmetic, peaks and verdicts, its step plan and error handling,
+and a `--smoke` run end to end (tiny shapes, SDPA, no GPU tests; the Hugging Face peer cells run where transformers
+is installed and are skipped with the reason where it is not). Checks outputs, never speed: no GPU runs here.
 """
 
 from __future__ import annotations
@@ -120,6 +120,72 @@ def test_mfu_in_both_conventions():
     assert out["mfu_full_attn"] / out["mfu"] == pytest.approx(10.193e9 / 8.179e9, rel=1e-3)  # 25% more at 8k
 
 
+def test_cells_log_and_sync_only_every_few_steps(tmp_path):
+    """A cell's child writes a metrics row, so waits for the device, every plan["log_interval"] steps and at no other
+    step (megagenome/trials.py's trial config logs every step); --warmup and --steps are rounded up to whole rows."""
+    plan = cells.step_plan(5, 10, 5)
+    assert plan == {"log_interval": 5, "warmup": 5, "steps": 10, "warmup_rows": 1, "timed_rows": 2, "note": ""}
+    rounded = cells.step_plan(3, 12, 5)
+    assert (rounded["warmup"], rounded["steps"], rounded["timed_rows"]) == (5, 15, 3)
+    assert "--warmup 3 rounded up to 5, --steps 12 rounded up to 15" in rounded["note"]
+    assert cells.step_plan(1, 1, 1)["note"] == "" and cells.step_plan(0, 1, 5)["warmup_rows"] == 0
+    cfg = cells.cell_config("1B", 128, "eager", True, "unused.fa")
+    trial = cells.cell_trial_config(cfg, 4, plan, tmp_path / "run")
+    t = trial.train
+    assert (t.max_steps, t.micro_batch_size, t.log_interval, t.sync_interval) == (15, 4, 5, 5)
+    assert (t.eval_interval, trial.checkpoint.interval, trial.log.run_dir) == (0, 0, str(tmp_path / "run"))
+    assert [d for d in range(1, 16) if d % t.log_interval == 0] == [5, 10, 15]  # rows: 1 warm-up, 2 timed
+
+
+def test_tokens_per_s_comes_from_the_timed_rows():
+    plan = cells.step_plan(5, 10, 5)
+    rows = [{"step": 5, "window_tokens": 5000, "tokens_per_s": 10.0}]  # warm-up: 500 s
+    rows += [
+        {"step": 10, "window_tokens": 5000, "tokens_per_s": 1000.0},
+        {"step": 15, "window_tokens": 5000, "tokens_per_s": 500.0},
+    ]
+    timed = cells.timed_rows(rows, plan)
+    assert [r["step"] for r in timed] == [10, 15] and cells.timed_rows(rows[:2], plan) == rows[1:2]
+    out = cells.throughput(timed)
+    assert out["tokens_per_s"] == pytest.approx(10000 / 15.0) and out["timed_s"] == 15.0
+    assert out["row_tokens_per_s"] == [1000.0, 500.0]
+
+
+def test_a_cell_that_raises_is_recorded_and_results_are_written_after_each_cell(tmp_path, monkeypatch):
+    """The real megagenome_cell needs a GPU-sized run (a child training process); here it is replaced by a stand-in
+    that fails once and otherwise returns a measured cell, and checks what is on disk each time it is called."""
+    seen = []
+
+    def fake_cell(cfg, micro, plan, work, timeout):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text()))  # written before every cell
+        if len(seen) == 1:
+            raise RuntimeError("boom in the first cell")
+        return {"micro": micro, "status": "ok", "parameters": 1000, "tokens_per_s": 50.0, "peak_tflops": 1.0}
+
+    def fake_peer(spec, work, timeout):
+        return {"status": "ok", "micro": spec["micro"], "parameters": 1000, "tokens_per_s": 40.0}
+
+    monkeypatch.setattr(cells, "megagenome_cell", fake_cell)
+    monkeypatch.setattr(cells, "hf_cell", fake_peer)
+    monkeypatch.chdir(tmp_path)  # main() moves to the repository root
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert [len(r["cells"]) for r in seen] == [0, 1, 2, 4]  # the flash cell is skipped on CPU without a call
+    assert not any(r["complete"] for r in seen) and seen[1]["cells"][0]["status"] == "error"
+    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    first, *rest = r["cells"]
+    assert r["complete"] and first["status"] == "error" and "RuntimeError: boom in the first cell" in first["reason"]
+    assert "in fake_cell" in first["reason"] and (first["model"], first["seq"], first["variant"]) == (
+        "1B",
+        128,
+        "eager",
+    )
+    assert [c["status"] for c in rest if c["impl"] == "megagenome"] == ["ok", "ok", "skipped", "ok"]
+    peer = "skipped" if importlib.util.find_spec("transformers") is None else "ok"
+    assert [c["status"] for c in rest if c["impl"] == "hf"] == [peer, peer]
+    assert "| error: RuntimeError: boom in the first cell |" in (tmp_path / "gpu_check.md").read_text()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 @pytest.mark.slow
 def test_smoke_run_end_to_end(tmp_path):
     proc = subprocess.run(
@@ -133,7 +199,11 @@ def test_smoke_run_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["smoke"] and r["tests"]["status"] == "skipped" and r["device"]["type"] == "cpu"
-    assert r["attention"] == "resolves to sdpa here"
+    assert r["attention"] == "auto's choice here: sdpa" and r["complete"]
+    assert r["steps"] == {"log_interval": 2, "warmup": 2, "steps": 2, "warmup_rows": 1, "timed_rows": 1} | {
+        "note": "",
+        "grad_accum": 1,
+    }
     ours = [c for c in r["cells"] if c["impl"] == "megagenome"]
     peers = [c for c in r["cells"] if c["impl"] == "hf"]
     shapes = [(c["model"], c["seq"], c["variant"]) for c in ours]
@@ -145,6 +215,8 @@ def test_smoke_run_end_to_end(tmp_path):
     params = {"1B": 107_328, "125M": 33_184}  # the smoke shapes: d 64 x 2 layers, d 32 x 2 layers
     for c in ours:
         assert c["status"] == "ok" and c["ended"] == "done", c  # ended once its rows were written
+        assert (c["log_interval"], c["warmup"], c["steps"], c["attention_auto_choice"]) == (2, 2, 2, "sdpa")
+        assert len(c["row_tokens_per_s"]) == 1 and c["timed_s"] > 0  # one timed row of 2 steps
         assert c["parameters"] == params[c["model"]] and c["micro"] == 2 and c["tokens_per_s"] > 0
         for suffix, causal in (("", True), ("_full_attn", False)):
             flops = flops_per_token(c["parameters"], c["n_layer"], c["d_model"], c["seq"], causal=causal)
@@ -160,6 +232,7 @@ def test_smoke_run_end_to_end(tmp_path):
             assert c["parameters"] == params[c["model"]] and c["attn_implementation"] == "sdpa"
     assert [g["met"] for g in r["goals"]] == [None, None] and all("smoke" in g["note"] for g in r["goals"])
     md = (tmp_path / "gpu_check.md").read_text()
-    assert md.startswith("# GPU check (") and "| implementation | model | params |" in md
+    assert md.startswith("# GPU check (") and "| implementation | model | params |" in md and "PARTIAL" not in md
+    assert "| attention (auto's choice) |" in md and "may fall back" in md and "every 2; tokens/s over" in md
     assert "Goal (>= 45.0% MFU causal, megagenome 1B seq 8192): not decided" in md
     assert "Goal (>= 35.0% MFU causal, megagenome 1B seq 32768): not decided" in md
