@@ -71,7 +71,8 @@ def markdown(cells: dict, date: str, command: str) -> str:
         "",
         f"Model: configs/dna_1b.yaml's shape with d_ff {m['d_ff']} (a multiple of 256): {m['parameters']:,} "
         f"parameters, {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads; bf16 weights, fp32 "
-        "gradient accumulation and Adam states (ds_configs/zero1_bf16.json), no activation checkpointing.",
+        "gradient accumulation and Adam states (ds_configs/zero2_bf16.json, what configs/dna_1b.yaml uses), no "
+        "activation checkpointing.",
         f"GPU: H200 SXM, 989 TFLOP/s bf16 dense (datasheet), {b['hbm_tbps']:g} TB/s HBM (datasheet). Assumed "
         f"efficiencies: weight matmuls {a['matmul']:.0%} of the peak; attention kernel (cuDNN SDPA or "
         f"FlashAttention-3) {a['attention_fwd']:.0%} forward and {a['attention_bwd']:.0%} backward in the kernel's "

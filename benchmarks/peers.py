@@ -2,7 +2,8 @@
 
 One `deepspeed --num_gpus N` launch of this script (a worker mode, CPU ranks on gloo here, GPUs as is) trains three
 models in the same processes, on the same batches, under the same DeepSpeed JSON (ds_configs/zero1_bf16.json by default:
-ZeRO-1, bf16 with fp32 gradient accumulation; it runs on DeepSpeed's CPU accelerator too, docs/platform.md), the same
+ZeRO-1, bf16, overlapped fp32 reduction; results/peers.md ran its earlier content, ZeRO-1 + bf16 with fp32 gradient
+accumulation, which is [zero1.json, bf16.json] now; both run on DeepSpeed's CPU accelerator, docs/platform.md), the same
 micro batch and gradient accumulation, merged with the run-config-owned keys by megagenome's own train/ds_config.py
 build_ds_config (AdamW, WarmupCosineLR, clipping, batch sizes), so all three get one dict:
 

@@ -149,7 +149,7 @@ def markdown(r: dict) -> str:
         f"# Pretraining on CPU: throughput and steps to beat Markov baselines ({r['date']})",
         "",
         f"Hardware: {r['hardware']}; {r['ranks']} ranks through the `deepspeed` launcher, ZeRO-1 bf16 "
-        "(ds_configs/zero1_bf16.json).",
+        "(configs/tiny.yaml's DeepSpeed JSON; ds_configs/zero1_bf16.json before 2026-12-01, the same engine).",
         f"Command: `{r['command']}`",
         "",
         "| model | parameters | tokens/step | tokens/s (all ranks, median) |",

@@ -17,8 +17,11 @@ timing.py predicts a step from all training FLOPs at one assumed MFU; this modul
     communication the exposed gradient, tensor-parallel and offload time of timing.step_time (its own model)
 
 Elementwise bytes per token and layer (e = 2 bytes of a bf16 activation, 4 of fp32; d = d_model, f = d_ff; every
-kernel reads its inputs and writes its output once, as an unfused elementwise kernel does), eager as model/layers.py
-writes the block (RMSNorm in fp32, rotary per q and k, separate SwiGLU and residual kernels):
+kernel reads its inputs and writes its output once, as an unfused elementwise kernel does). "eager" is the block
+unfused, as model/layers.py wrote it before its fused paths (RMSNorm as fp32 ops, rotary per q and k, separate
+SwiGLU and residual kernels): an upper bound. The eager model of today sits between the two columns on a GPU
+(RMSNorm is torch's one fused rms_norm kernel, rotary one autograd node on the packed qkv, no layout copies; the
+residual adds, SwiGLU and rotary's own products are still separate kernels); "fused" is --model.compile:
 
     forward   RMSNorm: x.float() 6d, pow 8d, mean 4d, x * rsqrt 8d, * weight 8d, .to(bf16) 6d = 40d, two    80d
               rotary of q and of k: 4 half-width products, a difference, a sum (1d each in elements), cat
