@@ -5,7 +5,7 @@ row per cell, every cell ok with positive tokens/s, per-rank peak memory and mod
 --cpu_memory_budget_gb the same cells are simulated-oom rows (labelled so, throughput dropped). The launch takes
 ~30 s on 2 cores; the pure parts (grid, sizes, out-of-memory classification) are checked without one, as are those
 of benchmarks/peers.py (its batch bookkeeping, ratios and verdicts, and the HF model's shape where transformers is
-installed).
+installed) and of benchmarks/fused_paths.py (its per-round ratios).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from support.helpers import DATA, REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import fused_paths  # noqa: E402
 import peers  # noqa: E402
 import sweep  # noqa: E402
 
@@ -157,3 +158,15 @@ def test_peers_llama_matches_megagenome_shape():
     assert config.intermediate_size == ours.blocks[0].mlp.w_up.out_features
     assert peers.parameter_breakdown(ours) == peers.parameter_breakdown(theirs)
     assert peers.parameter_breakdown(ours)["total"] == ours.num_parameters()
+
+
+def test_fused_paths_ratios_pair_the_slowest_rank_of_each_round():
+    def rank(eager, compiled):
+        return {"times": {"eager": eager, "compiled": compiled}, "first_step_s": {"eager": 0.1, "compiled": 9.0},
+                "first_loss": {"eager": 2.0, "compiled": 2.0}, "batch": {"global_batch": 4, "seq_len": 8}}  # fmt: skip
+
+    out = fused_paths.summarise([rank([2.0, 3.0, 4.0], [1.0, 2.0, 2.0]), rank([2.5, 2.0, 4.0], [1.0, 1.0, 4.0])])
+    assert out["seconds_per_step_per_round"] == {"eager": [2.5, 3.0, 4.0], "compiled": [1.0, 2.0, 4.0]}
+    assert out["eager_over_compiled_paired"] == [2.5, 1.5, 1.0]
+    assert out["eager_over_compiled_quartiles"] == (1.25, 1.5, 2.0)
+    assert out["tokens_per_s_median"]["compiled"] == 32 / 2.0 and out["first_step_s"]["compiled"] == 9.0
