@@ -220,9 +220,11 @@ def assemble(validated: Validated, ranks: Ranks) -> Run:
         # This rank's stage, its layers taken from the model just built (so pp > 1 starts from pp=1's weights);
         # DeepSpeed takes the PipelineModule's own process grid, the same layout as ranks.state, as mpu.
         model = pipeline.build(model, cfg.parallel, ranks.state, checkpoint_fn)
-        engine = ds.initialize(model, pipeline.param_groups(model, cfg.train.weight_decay), ds_conf)
+        groups, mpu = pipeline.param_groups(model, cfg.train.weight_decay), None
     else:
-        engine = ds.initialize(model, model.param_groups(cfg.train.weight_decay), ds_conf, mpu=ranks.state)
+        groups, mpu = model.param_groups(cfg.train.weight_decay), ranks.state
+    # optimizer / lr_scheduler: None where DeepSpeed builds them from ds_conf's "optimizer" / "scheduler" entries.
+    engine = ds.initialize(model, groups, ds_conf, mpu=mpu, optimizer=None, lr_scheduler=None)
     # Dropout streams differ across data-parallel ranks but not across tensor-parallel ones, whose residual streams
     # are replicas (rank // tp drops the fastest axis; the attention-dropout stream is forked per tensor rank).
     torch.manual_seed(cfg.train.seed + 1000 * (ranks.rank // layout.tensor))

@@ -393,6 +393,34 @@ def adam_choice(ds: dict, torch_adam: bool | None, on_gpu: bool) -> dict:
     return params
 
 
+def optimizer_entry(ds: dict, train: TrainConfig, lr: float, on_gpu: bool) -> dict:
+    """The "optimizer" entry DeepSpeed builds the optimizer from."""
+    return {
+        "type": "AdamW",
+        "params": {
+            "lr": lr,
+            "betas": [train.beta1, train.beta2],
+            "eps": train.adam_eps,
+            "weight_decay": train.weight_decay,
+            **adam_choice(ds, train.torch_adam, on_gpu),
+        },
+    }
+
+
+def scheduler_entry(train: TrainConfig, lr: float, min_lr: float) -> dict:
+    """The "scheduler" entry DeepSpeed builds the learning-rate schedule from."""
+    return {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": train.max_steps,
+            "warmup_num_steps": max(1, train.warmup_steps),
+            "warmup_type": "linear",
+            "warmup_min_ratio": 0.0,
+            "cos_min_ratio": min_lr / lr,
+        },
+    }
+
+
 def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: bool, on_gpu: bool) -> dict:
     """The exact dict given to deepspeed.initialize: the JSON plus the keys the run config owns (batch sizes from the
     layout, optimizer and schedule from --train.*, checkpoint.load_universal from --checkpoint.universal)."""
@@ -405,26 +433,8 @@ def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: 
             "gradient_accumulation_steps": batch.grad_accum,
             "train_batch_size": batch.global_batch,
             "gradient_clipping": train.grad_clip,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": lr,
-                    "betas": [train.beta1, train.beta2],
-                    "eps": train.adam_eps,
-                    "weight_decay": train.weight_decay,
-                    **adam_choice(ds, train.torch_adam, on_gpu),
-                },
-            },
-            "scheduler": {
-                "type": "WarmupCosineLR",
-                "params": {
-                    "total_num_steps": train.max_steps,
-                    "warmup_num_steps": max(1, train.warmup_steps),
-                    "warmup_type": "linear",
-                    "warmup_min_ratio": 0.0,
-                    "cos_min_ratio": min_lr / lr,
-                },
-            },
+            "optimizer": optimizer_entry(ds, train, lr, on_gpu),
+            "scheduler": scheduler_entry(train, lr, min_lr),
         }
     )
     if universal:

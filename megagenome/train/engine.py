@@ -233,8 +233,9 @@ def sequence_parallel_attention(group):
     return attention
 
 
-def initialize(model, param_groups: list[dict], ds_config: dict, mpu=None):
-    """Wrap the model in a DeepSpeed engine that builds AdamW and the schedule from ds_config.
+def initialize(model, param_groups: list[dict], ds_config: dict, mpu=None, optimizer=None, lr_scheduler=None):
+    """Wrap the model in a DeepSpeed engine that builds the optimizer and the schedule from ds_config, or takes the
+    client `optimizer` / `lr_scheduler` (an object or a callable of the optimizer) where ds_config has no entry.
 
     mpu (a ParallelState) tells DeepSpeed which ranks form the data-parallel group ZeRO partitions over
     and which form the tensor-parallel group gradient norms are reduced across.
@@ -258,7 +259,14 @@ def initialize(model, param_groups: list[dict], ds_config: dict, mpu=None):
         )
     if getattr(model, "universal_checkpoint_info", None) is None:
         model.universal_checkpoint_info = universal.universal_checkpoint_info(model)  # saved in every checkpoint
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config, mpu=mpu)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups,
+        config=ds_config,
+        mpu=mpu,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+    )
     return engine
 
 
