@@ -26,7 +26,10 @@ def summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict
     w = cfg.data.eval_softmask_weight
     heldout_weights = [np.where(mask, w, 1.0) for _, mask in heldout_pairs]
     baselines = markov_bits_per_base(
-        [t for t, _ in train_pairs], [t for t, _ in heldout_pairs], heldout_weights=heldout_weights
+        [t for t, _ in train_pairs],
+        [t for t, _ in heldout_pairs],
+        heldout_weights=heldout_weights,
+        both_strands=cfg.data.rc_prob > 0,  # the model sees both strands under reverse-complement augmentation
     )
     best_k = min(baselines, key=baselines.get)
     final_eval = eval_rows[-1] if eval_rows else result.get("eval", {})
@@ -47,6 +50,7 @@ def summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
         "heldout_bits_per_base": final_eval.get("bits_per_base"),
         "markov_bits_per_base": {str(k): v for k, v in baselines.items()},
+        "markov_strands": "both" if cfg.data.rc_prob > 0 else "forward",  # what the chains were fitted on
         "best_markov_order": best_k,
         "beats_best_markov": (final_eval.get("bits_per_base") or math.inf) < baselines[best_k],
         "tokens_per_s_median": float(np.median(tps)) if tps else None,
@@ -91,7 +95,11 @@ def print_summary(s: dict) -> None:
         mark = "  <- best baseline" if int(k) == s["best_markov_order"] else ""
         print(f"                   {v:.4f}  order-{k} Markov{mark}", file=out)
     verdict = "below" if s["beats_best_markov"] else "not yet below"
-    print(f"                   model is {verdict} the best Markov baseline", file=out)
+    strands = {"both": " (chains fitted on both strands of the training split)", "forward": ""}
+    print(
+        f"                   model is {verdict} the best Markov baseline{strands.get(s.get('markov_strands'), '')}",
+        file=out,
+    )
     if s["tokens_per_s_median"] is not None:
         print(f"tokens/s           {s['tokens_per_s_median']:,.0f} (median over logged intervals, all ranks)", file=out)
     if s.get("mfu_median") is not None:
