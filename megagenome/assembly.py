@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megagenome import resume_checks
-from megagenome.config import ConfigError, RootConfig, config_hash
+from megagenome.config import ConfigError, RootConfig, config_differences, config_hash
 from megagenome.config import validate as validate_config
 from megagenome.config.load import load_config, locate
 from megagenome.data import fingerprint as data_fingerprint
@@ -38,7 +38,7 @@ from megagenome.parallel.layout import BatchSizes, LayoutError, ParallelLayout
 from megagenome.parallel.sequence import shard_batch
 from megagenome.parallel.state import ParallelState
 from megagenome.parallel.tensor_parallel import TensorParallelLayers
-from megagenome.train import checkpoint, ds_config
+from megagenome.train import checkpoint, ds_config, optimizers, schedules
 from megagenome.train import engine as ds
 from megagenome.train.loop import evaluate, forward_sums
 
@@ -81,6 +81,7 @@ def validate(
     fingerprint = _fingerprint(cfg, problems) if data and genome is not None else None
     resume = resume_checks.resolve(cfg, layout, checkpoint_root(cfg), fingerprint)
     problems += resume.problems
+    problems += locate(optimizers.problems(cfg, ds_json, torch.cuda.is_available(), resume.convert), config_files)
     if problems:
         if genome is not None:
             genome.close()
@@ -224,7 +225,14 @@ def assemble(validated: Validated, ranks: Ranks) -> Run:
     else:
         groups, mpu = model.param_groups(cfg.train.weight_decay), ranks.state
     # optimizer / lr_scheduler: None where DeepSpeed builds them from ds_conf's "optimizer" / "scheduler" entries.
-    engine = ds.initialize(model, groups, ds_conf, mpu=mpu, optimizer=None, lr_scheduler=None)
+    engine = ds.initialize(
+        model,
+        groups,
+        ds_conf,
+        mpu=mpu,
+        optimizer=optimizers.client_optimizer(cfg, ds_conf, model, groups),
+        lr_scheduler=schedules.client_scheduler(cfg.train),
+    )
     # Dropout streams differ across data-parallel ranks but not across tensor-parallel ones, whose residual streams
     # are replicas (rank // tp drops the fastest axis; the attention-dropout stream is forked per tensor rank).
     torch.manual_seed(cfg.train.seed + 1000 * (ranks.rank // layout.tensor))
@@ -313,9 +321,15 @@ def _eval_batches(data: GenomeData, rank: int, dp_size: int, micro: int):
 
 def load(run: Run, path: str, restore_rng: bool = True) -> dict:
     """Load the checkpoint in `path` into the engine (and, with restore_rng, this rank's RNG state); returns its
-    client state. Refuses a checkpoint of another model or data definition (config_hash)."""
+    client state. Refuses a checkpoint of another model or data definition (config_differences, or config_hash for
+    one that records only the hash)."""
     client = checkpoint.load(run.engine, path, run.ranks.rank, restore_rng=restore_rng)
-    if client.get("config_hash") not in (None, config_hash(run.cfg)):
+    saved = client.get("run_config")  # its recorded keys, compared as resume_checks does (an allowed context change)
+    if saved is not None:
+        differs = bool(config_differences(saved, run.cfg))
+    else:
+        differs = client.get("config_hash") not in (None, config_hash(run.cfg))
+    if differs:
         raise ConfigError(
             [
                 f"checkpoint {path} was written with a different model or data config; use a new --log.run_dir or "

@@ -231,6 +231,7 @@ def model_card(manifest: dict) -> str:
         ("checkpoint", f"`{os.path.basename(src.get('checkpoint', '?'))}` (step {src.get('step', '?')})"),
         ("parameters", f"{manifest['parameters']:,}"),
         ("shape", f"d_model {m['d_model']}, {m['n_layer']} blocks, {m['n_head']} heads, context {m['max_seq_len']}"),
+        ("rotary scaling", _scaling(m)),
         ("weights", f"`{WEIGHTS}` ({manifest['dtype']})"),
         ("held-out bits/base", f"{heldout:.4f} (step {src['heldout_step']})" if heldout is not None else "not logged"),
     ]
@@ -261,6 +262,16 @@ def model_card(manifest: dict) -> str:
     if "int8" in manifest:
         lines += _int8_card(manifest["int8"])
     return "\n".join(lines)
+
+
+def _scaling(m: dict) -> str:
+    """The card's rotary scaling: none, or the scheme, its factor and the context trained at (megagenome.json of an
+    export written before the rope keys existed has none of them)."""
+    scaling = m.get("rope_scaling", "none")
+    if scaling == "none":
+        return "none"
+    original = m.get("rope_original_max_len") or m["max_seq_len"] / m["rope_factor"]
+    return f"{scaling} x{m['rope_factor']:g} (trained at context {original:g})"
 
 
 def _int8_card(q: dict) -> list[str]:
@@ -340,8 +351,8 @@ def load_int8(path: str) -> DNATransformer:
 def init_from(model: torch.nn.Module, run_model: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Load the weights of the export `run_model.init_from` into `model`, this rank's DNATransformer (its
     tensor-parallel shard when tp_size > 1), before DeepSpeed wraps it. ConfigError when the export cannot be read
-    or its model is not this run's shape (naming the tensor); max_seq_len, rope_theta, dropout and the rest of what
-    no tensor holds may differ."""
+    or its model is not this run's shape (naming the tensor); max_seq_len, rope_theta, the rotary scaling, dropout and
+    the rest of what no tensor holds may differ (a longer context: README "Context extension")."""
     path = run_model.init_from
     flag = f"--model.init_from={path}"
     try:

@@ -4,11 +4,12 @@ config.json and generation_config.json of the Llama architecture, and a single-n
 
 The two models compute the same function (tested to 1e-4 in fp32, tests/test_export.py): both are pre-norm with
 RMSNorm computed in float32, rotary embeddings in the rotate_half convention (dimension i pairs with i +
-head_dim/2, no rope scaling), plain multi-head attention scaled by 1/sqrt(head_dim), SwiGLU and no biases. What
-differs is layout: megagenome's fused `attn.qkv` lays its 3*d outputs out per head as (n_head, 3, head_dim); Llama
-has separate q_proj, k_proj, v_proj whose outputs are (n_head, head_dim). The embedding and LM head are cut to the
-vocabulary's rows (megagenome pads them to a multiple of 8, rows that no input and no logit ever uses) so that the
-Llama model has exactly one logit per token and `generate` can only produce real tokens.
+head_dim/2; a rotary scaling as transformers names it, rope_fields), plain multi-head attention scaled by
+1/sqrt(head_dim), SwiGLU and no biases. What differs is layout: megagenome's fused `attn.qkv` lays its 3*d outputs
+out per head as (n_head, 3, head_dim); Llama has separate q_proj, k_proj, v_proj whose outputs are (n_head,
+head_dim). The embedding and LM head are cut to the vocabulary's rows (megagenome pads them to a multiple of 8, rows
+that no input and no logit ever uses) so that the Llama model has exactly one logit per token and `generate` can
+only produce real tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from megagenome.config import ModelConfig, d_ff
 from megagenome.data.tokenizer import AMBIGUOUS, PAD_ID, VOCAB, VOCAB_SIZE
+from megagenome.model.layers import YARN_BETA_FAST, YARN_BETA_SLOW, ntk_theta, rope_original_max_len, yarn_mscale
 from megagenome.model.transformer import padded_vocab_size
 
 # Per block: megagenome's name -> Llama's (inside model.layers.{i}.); qkv is split separately.
@@ -102,8 +104,7 @@ def llama_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_theta": cfg.rope_theta,
+        **rope_fields(cfg),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -116,6 +117,31 @@ def llama_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "pad_token_id": PAD_ID,
         "dtype": DTYPE_NAMES[dtype],
     }
+
+
+def rope_fields(cfg: ModelConfig) -> dict:
+    """The rotary fields of config.json: transformers 5's rope_parameters, and for 4.x the top-level rope_theta and,
+    when scaled, rope_scaling (what 4.x reads; 5.x reads it too and it equals rope_parameters). --model.rope_scaling
+    as transformers names it: linear -> "linear" (inv_freq / factor); yarn -> "yarn" with the trained context, the
+    beta bounds and the attention factor spelled out; ntk -> "default" at the changed base (transformers' "dynamic"
+    NTK rescales with each input's length and leaves inputs up to max_position_embeddings unscaled, another
+    function), so every scheme loads as the same function (tests/test_context_extension.py)."""
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    if scaling == "ntk":
+        theta, scaling = ntk_theta(theta, cfg.rope_factor, cfg.d_model // cfg.n_head), "none"
+    if scaling == "none":
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_theta": theta}
+    params = {"rope_type": scaling, "rope_theta": theta, "factor": float(cfg.rope_factor)}
+    if scaling == "yarn":
+        original = rope_original_max_len(cfg)
+        params.update(
+            original_max_position_embeddings=int(original) if float(original).is_integer() else original,
+            beta_fast=YARN_BETA_FAST,
+            beta_slow=YARN_BETA_SLOW,
+            attention_factor=yarn_mscale(cfg.rope_factor),
+            truncate=True,
+        )
+    return {"rope_parameters": params, "rope_theta": theta, "rope_scaling": dict(params)}
 
 
 def generation_config() -> dict:

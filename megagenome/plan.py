@@ -16,6 +16,8 @@ import os
 import sys
 
 from megagenome.config import RootConfig, d_ff
+from megagenome.config.checks import seq_warmup_problems
+from megagenome.data.curriculum import Curriculum
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.metrics import peak_tflops
 from megagenome.model.transformer import padded_vocab_size
@@ -23,7 +25,7 @@ from megagenome.parallel.layout import LayoutError, ParallelLayout
 from megagenome.planner.activations import ModelShape, n_params
 from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
 from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
-from megagenome.planner.states import DTYPE_BYTES, STATES, Precision
+from megagenome.planner.states import DTYPE_BYTES, STATES, Precision, bytes_per_parameter, model_shapes
 from megagenome.planner.timing import Cluster
 from megagenome.train.ds_config import (
     ds_config_files,
@@ -66,7 +68,7 @@ def shape_of(cfg: RootConfig) -> ModelShape:
 def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tuple[ParallelLayout | None, list[str]]:
     """The layout of the run config over --gpus (the planner models tensor x data parallelism) and every problem of
     the request."""
-    problems = []
+    problems = seq_warmup_problems(cfg)
     for flag in ("gpus", "gpus_per_node"):
         if getattr(cluster, flag) < 1:
             problems.append(f"--{flag}={getattr(cluster, flag)}: must be positive")
@@ -113,6 +115,13 @@ def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tu
     return layout, problems
 
 
+def _lengths(cfg: RootConfig) -> dict:
+    """The Setup's window lengths: --data.seq_len, and a sequence-length warmup's stages before it as (length, micro
+    batch multiple) (data/curriculum.py), so that activations are sized for the largest stage."""
+    stages = Curriculum.from_config(cfg.data).stages[:-1]
+    return {"seq": cfg.data.seq_len, "warmup": tuple((s.length, s.k) for s in stages)}
+
+
 def _fragments(stage: int, offload: bool) -> tuple[str, dict]:
     """The shipped ZeRO fragment of a candidate and its zero_optimization knobs ({} when not shipped here)."""
     name = f"zero{stage}_offload.json" if offload else f"zero{stage}.json"
@@ -154,7 +163,7 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
     zero = {(s, o): _fragments(s, o)[1] for s in range(4) for o in (False, True) if not (o and s < 2)}
     setup = Setup(
         shape=shape_of(cfg),
-        seq=cfg.data.seq_len,
+        **_lengths(cfg),
         global_batch=global_batch,
         precision=prec,
         cluster=cluster,
@@ -162,22 +171,20 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
         tp=tp,
         zero=zero,
         comm_bytes=DTYPE_BYTES.get(comm_name),
+        optimizer_bytes=_optimizer_bytes(cfg, tp),
     )
     candidates = grid(setup)
     rows = [evaluate(setup, c) for c in candidates]
     best = recommend(rows)
-    notes = []
-    if prec.grad_accum != prec.weights:
-        notes.append(
-            f"ZeRO-0 left out: DeepSpeed accumulates gradients only in the weights' dtype ({prec.weights}) at stage 0, "
-            f"and the config accumulates in {prec.grad_accum}; pass --grad_accum_dtype {prec.weights} to include it"
-        )
+    notes = _notes(prec)
     yours = _your_config(setup, cfg, ds, dp)
     out = {
         "model": {**dataclasses.asdict(setup.shape), "parameters": n_params(setup.shape), "seq_len": setup.seq},
         "cluster": {**dataclasses.asdict(cluster), "peak_tflops": peak, "tensor_parallel": tp, "data_parallel": dp},
         "global_batch": global_batch,
+        "curriculum": Curriculum.from_config(cfg.data).describe() if cfg.data.seq_warmup_lengths else None,
         "precision": {"weights": prec.weights, "grad_accum": prec.grad_accum},
+        "optimizer": {"name": cfg.train.optimizer, "state_bytes_per_parameter": setup.optimizer_bytes},
         "ds_config": files,
         "candidates": rows,
         "notes": notes,
@@ -209,6 +216,22 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
             row["efficiency_by_stage"] = {str(s): by_stage[s][i]["efficiency"] for s in stages}
     out["breakdown"] = _breakdown(setup, yours or out["recommendation"], "your config" if yours else "recommendation")
     return out
+
+
+def _notes(prec: Precision) -> list[str]:
+    if prec.grad_accum == prec.weights:
+        return []
+    return [
+        f"ZeRO-0 left out: DeepSpeed accumulates gradients only in the weights' dtype ({prec.weights}) at stage 0, "
+        f"and the config accumulates in {prec.grad_accum}; pass --grad_accum_dtype {prec.weights} to include it"
+    ]
+
+
+def _optimizer_bytes(cfg: RootConfig, tp: int) -> float:
+    """Optimizer-state bytes per parameter of --train.optimizer for this model (planner/states.py)."""
+    m = cfg.model
+    shapes = model_shapes(m.d_model, d_ff(m), m.n_layer, padded_vocab_size(VOCAB_SIZE), m.tie_embeddings, tp)
+    return bytes_per_parameter(cfg.train.optimizer, shapes)
 
 
 def _breakdown(setup: Setup, row: dict | None, which: str) -> dict | None:
@@ -265,12 +288,15 @@ def render(plan: dict) -> str:
         f"model: {m['parameters']:,} parameters (d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "
         f"d_ff {m['d_ff']}), seq_len {m['seq_len']}, global batch {plan['global_batch']} sequences "
         f"({plan['global_batch'] * m['seq_len']:,} tokens)",
+        *([f"curriculum: {plan['curriculum']}; activations sized for its largest stage"] if plan["curriculum"] else []),
         f"cluster: {c['gpus']} x {c['gpu']} ({c['gpu_memory_gb']:g} GiB, {c['peak_tflops']:g} TFLOP/s peak, assumed "
         f"MFU {c['mfu']:g}), {c['gpus_per_node']} per node; all-reduce bus bandwidth {c['intra_node_gbps']:g} GB/s "
         f"in a node, {c['inter_node_gbps']:g} GB/s across nodes; tensor x data parallel = "
         f"{c['tensor_parallel']} x {c['data_parallel']}",
         f"precision: {p['weights']} weights, {p['grad_accum']} gradient accumulation (from "
         f"{', '.join(plan['ds_config'])} unless overridden)",
+        f"optimizer: {plan['optimizer']['name']}, {plan['optimizer']['state_bytes_per_parameter']:.2f} bytes of "
+        "optimizer state per parameter (the adam column)",
         "assumptions: gradient reduce-scatter hidden behind backward where overlap_comm is true (stages 2-3 as "
         "shipped), stage 0-1 reductions and all-gathers exposed; flash attention (no s x s scores); memory budget "
         f"{budget:.1f} GiB per GPU ({c['memory_margin']:.0%} kept for fragmentation; runtime {c['runtime_gb']:g} GiB "

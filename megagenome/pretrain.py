@@ -26,8 +26,8 @@ import torch
 from megagenome import assembly, dashboards, resume_checks, summary
 from megagenome.assembly import Run, Validated
 from megagenome.config import ConfigError, RootConfig, config_hash, d_ff, resume_record, signal_number, to_dict
+from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import GenomeData
-from megagenome.data.sampler import batch_indices
 from megagenome.metrics import (
     MetricsWriter,
     flops_per_token,
@@ -252,10 +252,10 @@ def _fit(
     dp_rank, sp_rank = state.get_data_parallel_rank(), state.get_sequence_parallel_rank()
     cursor = {"offset": int(resumed.get("data_offset", 0))}
 
-    def sharded_batch(step: int, micro_step: int) -> dict:
+    def sharded_batch(step: int, micro_step: int) -> dict:  # at the length in force (data/curriculum.py)
         first = (step + cursor["offset"]) * b.global_batch
-        indices = batch_indices(first, micro_step, dp_rank, layout.data_parallel, b.micro)
-        return shard_batch(data.train_batch(indices), sp_rank, layout.sequence, run.sp_loss_factor)
+        length, indices = plan.curriculum.indices(step, first, micro_step, dp_rank, layout.data_parallel, b.micro)
+        return shard_batch(data.train_batch(indices, length), sp_rank, layout.sequence, run.sp_loss_factor)
 
     batches = Prefetcher(sharded_batch, b.grad_accum, plan.stop_at)  # built ahead, in order (train/prefetch.py)
     tokens = TokenCounter(batches)  # counts real (loss-carrying) tokens of the batches trained, for the metrics rows
@@ -371,7 +371,9 @@ def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
     seq = cfg.data.seq_len
     causal = m.objective == "clm"  # the headline counts causal attention at half (Megatron-LM); mlm computes all
 
-    def hw_flops(causal: bool) -> float:
+    flops = lambda causal, seq: flops_per_token(run.dense_parameters, m.n_layer, m.d_model, seq, causal)  # noqa: E731
+
+    def hw_flops(causal: bool, seq: int = seq) -> float:
         return hardware_flops_per_token(
             run.dense_parameters,
             m.n_layer,
@@ -396,8 +398,8 @@ def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
         log_interval=cfg.train.log_interval,
         eval_interval=cfg.train.eval_interval,
         ckpt_interval=cfg.checkpoint.interval,
-        flops_per_token=flops_per_token(run.dense_parameters, m.n_layer, m.d_model, seq, causal),
-        flops_per_token_full_attn=flops_per_token(run.dense_parameters, m.n_layer, m.d_model, seq, causal=False),
+        flops_per_token=flops(causal, seq),
+        flops_per_token_full_attn=flops(False, seq),
         peak_tflops=peak[0],
         world_size=run.ranks.world_size,
         rank=run.ranks.rank,
@@ -408,6 +410,8 @@ def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
         peak_source=peak[1],
         # Tensor-parallel ranks and pipeline stages past the first see the tokens of the same samples again.
         counts_tokens=state.get_tensor_model_parallel_rank() == 0 and state.get_pipeline_model_parallel_rank() == 0,
+        curriculum=Curriculum.from_config(cfg.data),
+        flops_at=lambda s: (flops(causal, s), flops(False, s), hw_flops(causal, s), hw_flops(False, s)),
     )
 
 

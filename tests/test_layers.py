@@ -81,7 +81,8 @@ SEAMS = {
     "matplotlib": {"report"},
     "jsonargparse": {"config/load", "cli", "cli_after"},
     "safetensors": {"export"},
-    "torchao": {"quantize"},
+    "torchao": {"quantize", "train/optimizers"},  # int8 export; the 8-bit AdamW on CPU
+    "bitsandbytes": {"train/optimizers"},  # the 8-bit AdamW on CUDA
 }
 
 

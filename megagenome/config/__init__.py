@@ -2,6 +2,7 @@
 
 - sections.py  one dataclass per concern (model, data, train, parallel, checkpoint, log) composed into RootConfig,
                and the data manifest's SourceConfig / ManifestConfig; standard library only
+- record.py    what a checkpoint records of the config (resume_record, config_hash) and what a resume may change
 - checks.py    static validation of a config or a manifest: every problem at once, each naming its flag
 - load.py      YAML files + command-line flags -> RootConfig through jsonargparse (imported on demand: it is the
                one module here with a third-party import)
@@ -10,6 +11,7 @@ The names most code needs are importable from `megagenome.config` itself.
 """
 
 from megagenome.config.checks import ConfigError, signal_number, validate, validate_manifest
+from megagenome.config.record import config_differences, config_hash, resume_record
 from megagenome.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -21,11 +23,8 @@ from megagenome.config.sections import (
     RootConfig,
     SourceConfig,
     TrainConfig,
-    config_differences,
-    config_hash,
     d_ff,
     parse_region,
-    resume_record,
     to_dict,
 )
 

@@ -9,6 +9,7 @@ at the YAML file and line that set the flag.
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import signal
 
@@ -40,6 +41,7 @@ def validate(cfg: RootConfig) -> list[str]:
     return (
         _model_problems(cfg.model)
         + _data_problems(cfg.data, cfg.model)
+        + seq_warmup_problems(cfg)
         + _train_problems(cfg.train)
         + _checkpoint_problems(cfg.checkpoint, cfg.train)
         + _log_problems(cfg.log)
@@ -124,7 +126,43 @@ def _model_problems(m: ModelConfig) -> list[str]:
         )
     if m.d_ff is not None and m.d_ff <= 0:
         problems.append(f"--model.d_ff={m.d_ff}: must be positive")
-    return problems + _within_unit([("model.dropout", m.dropout)])
+    return problems + _within_unit([("model.dropout", m.dropout)]) + _rope_problems(m)
+
+
+def _rope_problems(m: ModelConfig) -> list[str]:
+    """Rotary scaling (model/layers.py rope_frequencies): a factor is a context multiple (>= 1), and neither it nor
+    the trained context may be given without a scaling scheme, where they would silently do nothing."""
+    problems = []
+    if m.rope_scaling == "none":
+        if m.rope_factor != 1.0:
+            problems.append(
+                f"--model.rope_factor={m.rope_factor} has no effect with --model.rope_scaling none: choose linear, ntk "
+                "or yarn, or drop the factor"
+            )
+        if m.rope_original_max_len is not None:
+            problems.append(
+                f"--model.rope_original_max_len={m.rope_original_max_len} has no effect with --model.rope_scaling "
+                "none: choose linear, ntk or yarn, or drop it"
+            )
+        return problems
+    if not (m.rope_factor >= 1.0 and math.isfinite(m.rope_factor)):
+        problems.append(
+            f"--model.rope_factor={m.rope_factor}: must be a finite context multiple >= 1 (the extended context over "
+            "the trained one)"
+        )
+    original = m.rope_original_max_len
+    if original is not None and not 0 < original <= m.max_seq_len:
+        problems.append(
+            f"--model.rope_original_max_len={original}: the context trained at must be within [1, "
+            f"--model.max_seq_len={m.max_seq_len}]"
+        )
+    head_dim = m.d_model // m.n_head if m.n_head > 0 else 0
+    if m.rope_scaling == "ntk" and 0 < head_dim <= 2:
+        problems.append(
+            f"--model.rope_scaling ntk needs a head size above 2 (its base is rope_theta x factor^(d/(d-2))), got "
+            f"{head_dim}: use linear or yarn"
+        )
+    return problems
 
 
 def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
@@ -168,6 +206,58 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     return problems
 
 
+def seq_warmup_problems(cfg: RootConfig) -> list[str]:
+    """--data.seq_warmup_* (data/curriculum.py): stages of increasing lengths below --data.seq_len that the model
+    takes, ending before --train.max_steps, in shapes every part of the run can change between steps."""
+    d, par = cfg.data, cfg.parallel
+    lengths, steps, flag = list(d.seq_warmup_lengths), list(d.seq_warmup_steps), "--data.seq_warmup_lengths"
+    if not lengths and not steps:
+        return []
+    problems = []
+    if len(lengths) != len(steps):
+        problems.append(
+            f"--data.seq_warmup_steps={steps} has {len(steps)} entries and {flag}={lengths} {len(lengths)}: give "
+            "the steps of every stage"
+        )
+    if d.seq_warmup_mode not in ("tokens", "windows"):
+        problems.append(f"--data.seq_warmup_mode={d.seq_warmup_mode!r}: must be tokens or windows")
+    if any(b <= a for a, b in zip(lengths, lengths[1:])):
+        problems.append(f"{flag}={lengths}: must be strictly increasing (the shortest windows first)")
+    wrong = [L for L in lengths if not 0 < L < d.seq_len]
+    if wrong:
+        problems.append(f"{flag}={lengths}: {wrong} not within [1, --data.seq_len={d.seq_len}), the last stage")
+    most = cfg.model.max_seq_len
+    above = [L for L in lengths if L > most]
+    if above:
+        problems.append(f"{flag}={lengths}: {above} above the model's maximum --model.max_seq_len={most}")
+    odd = [L for L in lengths if L > 0 and d.seq_len % L]
+    if odd and d.seq_warmup_mode == "tokens":
+        problems.append(
+            f"{flag}={lengths}: {odd} do not divide --data.seq_len={d.seq_len}; --data.seq_warmup_mode tokens keeps "
+            "the tokens per step with micro batches of --train.micro_batch_size x seq_len / length windows (or use "
+            "--data.seq_warmup_mode windows)"
+        )
+    if any(n <= 0 for n in steps):
+        problems.append(f"--data.seq_warmup_steps={steps}: every stage needs a positive number of steps")
+    elif sum(steps) >= cfg.train.max_steps:
+        problems.append(
+            f"--data.seq_warmup_steps={steps}: the warmup's {sum(steps)} steps must end before --train.max_steps="
+            f"{cfg.train.max_steps}, so that the run trains at --data.seq_len"
+        )
+    if par.pipeline > 1:
+        problems.append(
+            f"{flag} with --parallel.pipeline={par.pipeline}: DeepSpeed's pipeline engine sizes its micro batches and "
+            "the buffers between stages once, from the first micro batch, so the window length cannot change in a run"
+        )
+    split = [L for L in lengths if L > 0 and L % par.sequence]
+    if split and par.sequence > 1:
+        problems.append(
+            f"{flag}={lengths}: {split} not divisible by --parallel.sequence={par.sequence}: each sequence-parallel "
+            "rank holds an equal chunk of every window"
+        )
+    return problems
+
+
 def _train_problems(t: TrainConfig) -> list[str]:
     problems = _positive(
         [("train.micro_batch_size", t.micro_batch_size), ("train.grad_accum_steps", t.grad_accum_steps)]
@@ -177,6 +267,7 @@ def _train_problems(t: TrainConfig) -> list[str]:
         problems.append(f"--train.min_lr={t.min_lr}: must be within [0, --train.lr={t.lr}]")
     if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
         problems.append(f"--train.warmup_steps={t.warmup_steps}: must be within [0, --train.max_steps={t.max_steps}]")
+    problems += _schedule_problems(t)
     if t.lr_scaling != "none" and (t.reference_batch is None or t.reference_batch <= 0):
         problems.append(f"--train.lr_scaling={t.lr_scaling} needs a positive --train.reference_batch")
     if not t.ds_config:
@@ -203,6 +294,31 @@ def _train_problems(t: TrainConfig) -> list[str]:
     if not t.distill_temperature > 0:
         problems.append(f"--train.distill_temperature={t.distill_temperature:g}: must be positive")
     return problems
+
+
+def wsd_decay_steps(max_steps: int, fraction: float) -> int:
+    """Steps of a wsd schedule's decay: fraction x max_steps rounded half up, at least 1. Never more steps for a
+    smaller max_steps, so a longer run's stable phase covers a shorter one's (extending a run, train/schedules.py)."""
+    return max(1, math.floor(fraction * max_steps + 0.5))
+
+
+def _schedule_problems(t: TrainConfig) -> list[str]:
+    """--train.schedule and its wsd flags: the decay fits after the warmup, and the wsd flags are not set for
+    another schedule (where they would silently do nothing)."""
+    if t.schedule != "wsd":
+        defaults = TrainConfig()
+        ignored = [f for f in ("decay_fraction", "decay_shape") if getattr(t, f) != getattr(defaults, f)]
+        return [f"--train.{f} applies to --train.schedule wsd only (this run's is {t.schedule})" for f in ignored]
+    if not 0 < t.decay_fraction <= 1:
+        return [f"--train.decay_fraction={t.decay_fraction:g}: must be within (0, 1] (the decaying share of max_steps)"]
+    decay = wsd_decay_steps(t.max_steps, t.decay_fraction)
+    if t.max_steps > 0 and t.warmup_steps + decay > t.max_steps:
+        return [
+            f"--train.warmup_steps={t.warmup_steps} plus the wsd decay's {decay} steps (--train.decay_fraction="
+            f"{t.decay_fraction:g} of --train.max_steps={t.max_steps}) exceed max_steps: shorten the warmup or "
+            "the decay"
+        ]
+    return []
 
 
 def _checkpoint_problems(c: CheckpointConfig, t: TrainConfig) -> list[str]:

@@ -11,8 +11,6 @@ engine knobs (ZeRO stage, precision, buckets) live in the DeepSpeed JSON named b
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -37,6 +35,18 @@ class ModelConfig:
     """Longest sequence the model accepts (rotary tables are built for this length)."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
+    """Rotary scaling for a context longer than the model was trained at (README "Context extension"): linear
+    (position interpolation, Chen et al. 2023: positions / --model.rope_factor), ntk (NTK-aware base change: rope_theta
+    x factor^(d/(d-2)), d the head size) or yarn (YaRN, Peng et al. 2023, as transformers computes it: per-frequency
+    ramp between interpolation and extrapolation, beta_fast 32, beta_slow 1, and cos/sin scaled by 0.1 ln(factor) +
+    1); none: plain rotary positions."""
+    rope_factor: float = 1.0
+    """Context multiple of --model.rope_scaling: the extended context over the trained one (>= 1; e.g. 4 for 2k ->
+    8k). Must stay 1 with --model.rope_scaling none."""
+    rope_original_max_len: int | None = None
+    """Context the model was trained at before the extension: the length YaRN's ramp is measured against (linear and
+    ntk only record it); default --model.max_seq_len / --model.rope_factor."""
     dropout: float = 0.0
     """Dropout probability on attention weights and residual branches."""
     tie_embeddings: bool = True
@@ -86,6 +96,14 @@ class DataConfig:
     assignment depends on the data-parallel size: such a run resumes at the same size only."""
     seq_len: int = 512
     """Tokens per training window (one base per token)."""
+    seq_warmup_lengths: list[int] = field(default_factory=list)
+    """Sequence-length warmup (HyenaDNA): window lengths of the stages trained before --data.seq_len, increasing,
+    e.g. [128, 256]; the run then trains at --data.seq_len to --train.max_steps. Empty: no warmup."""
+    seq_warmup_steps: list[int] = field(default_factory=list)
+    """Optimizer steps of each --data.seq_warmup_lengths stage, one per length."""
+    seq_warmup_mode: Literal["tokens", "windows"] = "tokens"
+    """tokens: every step trains on the same tokens, the micro batch at length L is --train.micro_batch_size x
+    seq_len / L (each length must divide seq_len); windows: the micro batch stays, early steps train fewer tokens."""
     val_contigs: list[str] = field(default_factory=list)
     """Whole contigs held out for evaluation (use when the genome has several contigs)."""
     val_ranges: list[str] = field(default_factory=list)
@@ -187,9 +205,21 @@ class TrainConfig:
     reference_batch: int | None = None
     """Global batch size at which --train.lr was tuned; required when --train.lr_scaling is not none."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (cosine, linear, and wsd's decay phase; unused by constant), scaled
+    with --train.lr_scaling like lr."""
     warmup_steps: int = 100
     """Steps of linear warmup from 0 to lr."""
+    schedule: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
+    """Learning-rate schedule after the warmup (train/schedules.py): cosine (DeepSpeed's WarmupCosineLR, decaying to
+    min_lr at --train.max_steps), linear (straight to min_lr at max_steps), constant (lr until the end) or wsd
+    (warmup-stable-decay: lr until the last --train.decay_fraction of max_steps, then down to min_lr; the stable
+    phase does not depend on max_steps, so a run can be extended from a checkpoint taken before its decay)."""
+    decay_fraction: float = 0.2
+    """wsd: the last fraction of --train.max_steps that decays to min_lr (fraction x max_steps steps, rounded half
+    up, at least 1)."""
+    decay_shape: Literal["linear", "cosine", "sqrt"] = "sqrt"
+    """wsd: the shape of the decay to min_lr: linear, cosine (half a cosine) or sqrt (the "1-sqrt" cooldown of
+    Hägele et al. 2024: min_lr + (lr - min_lr) x (1 - sqrt(progress)))."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not to norms or biases)."""
     beta1: float = 0.9
@@ -198,6 +228,13 @@ class TrainConfig:
     """AdamW beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
+    optimizer: Literal["adamw", "lamb", "adafactor", "muon", "adam8bit"] = "adamw"
+    """adamw; lamb (large batches); adafactor or adam8bit (less optimizer memory); muon (Muon on the 2-D hidden
+    matrices, AdamW on embedding, head and norms). What each builds and refuses: README, "Memory and precision"."""
+    muon_lr: float = 0.02
+    """Learning rate of Muon's hidden matrices (--train.optimizer muon); --train.lr drives the AdamW half."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (--train.optimizer muon)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
     tf32: bool = True
@@ -308,6 +345,12 @@ class CheckpointConfig:
     """How a checkpoint is verified before resuming from it against the file list in its COMPLETE marker: digest
     (SHA-256 and size of every file) or size (sizes only, for very large checkpoints). A bad checkpoint is named and
     the run falls back to the previous complete one, with a warning."""
+    allow_context_change: bool = False
+    """Resume although the context differs from the checkpoint's: --model.max_seq_len, --data.seq_len,
+    --model.rope_scaling, --model.rope_factor or --model.rope_original_max_len (continuing a run at a longer context,
+    README "Context extension"). The weights and optimizer state load unchanged; the windows from the checkpoint's
+    sample cursor on are those of the new --data.seq_len (a new tiling of the genome, deterministic and resumable
+    again), the global batch in windows must stay the checkpoint's, and config.yaml records the new values."""
     allow_data_change: bool = False
     """Resume although the training data's SHA-256 (FASTA, or prepared manifest and shards) differs from the one
     recorded in the checkpoint; the change is printed and recorded in the run's summary."""
@@ -390,53 +433,3 @@ def d_ff(model: ModelConfig) -> int:
 def to_dict(cfg) -> dict:
     """Plain nested dict of a config dataclass (what config.yaml holds)."""
     return dataclasses.asdict(cfg)
-
-
-# Keys a resumed run may change: where the run started, how activations are recomputed, which attention kernel
-# computes the same function, what evaluation scores, and where the training data lies (its content is compared
-# instead: data/fingerprint.py). Every other model and data key must match the checkpoint's (resume_record,
-# config_differences); the global batch is checked from the checkpoint's sample count.
-RESUME_MAY_CHANGE = frozenset(
-    {
-        "data.fasta",
-        "data.prepared",
-        "model.init_from",
-        "model.checkpointing",
-        "model.checkpoint_every",
-        "model.attention",
-        "model.compile",
-        "data.eval_windows",
-        "data.eval_softmask_weight",
-    }
-)
-
-
-def resume_record(cfg: RootConfig) -> dict:
-    """The model and data keys a checkpoint depends on ({"model": {...}, "data": {...}}), recorded in every
-    checkpoint so that a resume with another value is refused before anything starts, naming the key."""
-    return {
-        section: {k: v for k, v in to_dict(getattr(cfg, section)).items() if f"{section}.{k}" not in RESUME_MAY_CHANGE}
-        for section in ("model", "data")
-    }
-
-
-def config_differences(saved: dict, cfg: RootConfig) -> list[str]:
-    """'--model.d_model: checkpoint 32, this run 64' for every key of resume_record that differs."""
-    current = resume_record(cfg)
-    out = []
-    for section, values in current.items():
-        old = saved.get(section) or {}
-        for key in sorted(set(values) | set(old)):
-            if f"{section}.{key}" in RESUME_MAY_CHANGE:
-                continue
-            if old.get(key) != values.get(key):
-                out.append(f"--{section}.{key}: checkpoint {old.get(key)!r}, this run {values.get(key)!r}")
-    return out
-
-
-def config_hash(cfg: RootConfig) -> str:
-    """SHA-256 of what a checkpoint depends on: model shape and data definition (resume_record)."""
-    payload = json.dumps(resume_record(cfg), sort_keys=True)
-    # The parallel layout is deliberately left out: a checkpoint converted to the universal format may be
-    # loaded under another layout.
-    return hashlib.sha256(payload.encode()).hexdigest()

@@ -10,7 +10,11 @@ Batches are computed from global sample indices alone: the randomness of each sa
 masking) is drawn from np.random.default_rng([seed, purpose, index]), so a sample is the same on any rank,
 in any process and after any resume.
 
-Batch dict (T = cfg.seq_len):
+Sequence-length warmup (data/curriculum.py): train_batch(indices, seq_len) builds a batch of windows of a warmup
+stage's length from a sampler of that length, built when first asked for and kept (sampler_at); evaluation always
+scores windows of cfg.seq_len.
+
+Batch dict (T = cfg.seq_len, or the warmup stage's length):
     input_ids    (B, T) int64    token ids fed to the model
     labels       (B, T) int64    target token per position (clm: the next base; mlm: the original base)
     loss_weight  (B, T) float32  per-position loss weight: 0 for N (and packing SEP) targets and unselected mlm
@@ -19,7 +23,7 @@ Batch dict (T = cfg.seq_len):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -52,11 +56,13 @@ class FastaTokens:
         self.genome.close()
 
 
-def window_length(cfg: DataConfig, objective: str) -> int:
-    """Bases per sample: clm predicts base t+1 from bases <= t, so a window of T inputs needs T + 1 bases."""
+def window_length(cfg: DataConfig, objective: str, seq_len: int | None = None) -> int:
+    """Bases per sample of seq_len tokens (default cfg.seq_len): clm predicts base t+1 from bases <= t, so a window
+    of T inputs needs T + 1 bases."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r} (--model.objective)")
-    return cfg.seq_len + 1 if objective == "clm" else cfg.seq_len
+    seq_len = cfg.seq_len if seq_len is None else seq_len
+    return seq_len + 1 if objective == "clm" else seq_len
 
 
 class GenomeData:
@@ -64,7 +70,8 @@ class GenomeData:
 
     store: FastaTokens (one FASTA) or prepared.ShardStore (prepared shards); split: the N-free regions of each
     split; declared_split: the split as declared, before N runs were cut; sampler: the training sampler (a
-    WindowSampler, or blend.BlendSampler / blend.GroupSampler over prepared units); record: more split.json facts.
+    WindowSampler, or blend.BlendSampler / blend.GroupSampler over prepared units); record: more split.json facts;
+    sampler_at(seq_len): the same kind of sampler for windows of a warmup stage's length (data/curriculum.py).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class GenomeData:
         declared_split: dict[str, list[Region]],
         sampler,
         record: dict | None = None,
+        sampler_at: Callable[[int], object] | None = None,
     ):
         self.cfg = cfg
         self.objective = objective
@@ -84,6 +92,8 @@ class GenomeData:
         self.declared_split = declared_split
         self.split = split
         self.train_sampler = sampler
+        self._samplers = {cfg.seq_len: sampler}  # window length in tokens -> training sampler
+        self._sampler_at = sampler_at
         self.record = record or {}
         self.eval_regions = eval_windows(self.split["val"], self.window_len, cfg.eval_windows)
         if declared_split["val"] and not self.eval_regions:
@@ -133,8 +143,19 @@ class GenomeData:
 
     # ----- batches --------------------------------------------------------------------------------------------
 
-    def train_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """Training batch of the given global sample indices: reverse complement with prob rc_prob.
+    def sampler(self, seq_len: int | None = None):
+        """The training sampler of windows of seq_len tokens (default cfg.seq_len); a warmup stage's is built the first
+        time it is asked for and kept, so its windows tile the training intervals at that length."""
+        seq_len = self.cfg.seq_len if seq_len is None else int(seq_len)
+        if seq_len not in self._samplers:
+            if self._sampler_at is None:
+                raise ValueError(f"this data serves windows of {self.cfg.seq_len} tokens only, not {seq_len}")
+            self._samplers[seq_len] = self._sampler_at(seq_len)
+        return self._samplers[seq_len]
+
+    def train_batch(self, indices: np.ndarray, seq_len: int | None = None) -> dict[str, torch.Tensor]:
+        """Training batch of the given global sample indices of the sampler of windows of seq_len tokens (default
+        cfg.seq_len; data/curriculum.py gives a warmup stage's): reverse complement with prob rc_prob.
 
         Built as one (B, W) array: reverse complement, loss weights and the clm shift run once per batch, and a
         per-sample generator is seeded only where it is drawn from (the reverse-complement coin when 0 < rc_prob
@@ -143,9 +164,10 @@ class GenomeData:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if indices.size == 0:
             raise ValueError("a batch needs at least one sample")
-        regions = self.train_sampler.windows(indices)
-        tokens = np.empty((indices.size, self.window_len), dtype=np.uint8)  # (B, W)
-        soft = np.empty((indices.size, self.window_len), dtype=bool)  # (B, W)
+        regions = self.sampler(seq_len).windows(indices)
+        width = window_length(self.cfg, self.objective, seq_len)
+        tokens = np.empty((indices.size, width), dtype=np.uint8)  # (B, W)
+        soft = np.empty((indices.size, width), dtype=bool)  # (B, W)
         for row, region in enumerate(regions):
             self.trained_contigs.add(region.contig)
             tokens[row], soft[row] = self._tokens(region)
@@ -242,7 +264,6 @@ def _collate(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[s
 
 def build_genome_data(cfg: DataConfig, objective: str) -> GenomeData:
     """Open cfg.fasta, find N-free intervals (each contig read once), and build the split and samplers."""
-    window_len = window_length(cfg, objective)
     genome = Genome(cfg.fasta)
     try:
         n_free = {}
@@ -251,8 +272,12 @@ def build_genome_data(cfg: DataConfig, objective: str) -> GenomeData:
             n_free[contig] = n_free_intervals(tokens, cfg.max_n_run)
         declared = build_split(genome.lengths, cfg.val_contigs, cfg.val_ranges, cfg.test_contigs, cfg.test_ranges)
         split = {name: restrict(regions, n_free) for name, regions in declared.items()}
-        sampler = WindowSampler(split["train"], window_len, cfg.seed)
-        return GenomeData(cfg, objective, FastaTokens(genome), split, declared, sampler)
+
+        def sampler_at(seq_len: int) -> WindowSampler:
+            return WindowSampler(split["train"], window_length(cfg, objective, seq_len), cfg.seed)
+
+        sampler = sampler_at(cfg.seq_len)
+        return GenomeData(cfg, objective, FastaTokens(genome), split, declared, sampler, sampler_at=sampler_at)
     except BaseException:
         genome.close()
         raise
@@ -263,7 +288,6 @@ def build_prepared_data(cfg: DataConfig, objective: str, dp_size: int = 1, micro
     sampler over its units (group-aware over dp_size ranks with cfg.group_aware). A unit without training regions
     (a source held out whole) only serves evaluation."""
     index = prepared.read_index(cfg.prepared)
-    window_len = window_length(cfg, objective)
     store = prepared.ShardStore(cfg.prepared, index)
     try:
         split: dict[str, list[Region]] = {name: [] for name in prepared.SPLITS}
@@ -286,13 +310,21 @@ def build_prepared_data(cfg: DataConfig, objective: str, dp_size: int = 1, micro
         if not units:
             raise ValueError(f"--data.prepared={cfg.prepared}: no unit has training regions (all held out?)")
         period = cfg.blend_period or max(1000, len(units))
-        if cfg.group_aware:
-            sampler = GroupSampler(units, window_len, cfg.seed, dp_size, micro_batch, period)
-        else:
-            sampler = BlendSampler(units, window_len, cfg.seed, period)
+
+        def sampler_at(seq_len: int) -> BlendSampler | GroupSampler:
+            # Group-aware: a warmup stage's micro batch holds k windows per slot (data/curriculum.py), so blocks of
+            # micro_batch x k of its indices are the slots of one rank, which keeps its own groups at every length.
+            width, k = window_length(cfg, objective, seq_len), 1
+            if cfg.seq_warmup_mode == "tokens" and seq_len != cfg.seq_len:
+                k = cfg.seq_len // seq_len
+            if cfg.group_aware:
+                return GroupSampler(units, width, cfg.seed, dp_size, micro_batch * k, period)
+            return BlendSampler(units, width, cfg.seed, period)
+
+        sampler = sampler_at(cfg.seq_len)
         record = {"prepared": cfg.prepared, "max_n_run": index["max_n_run"], "units": record_units}
         record["sampler"] = sampler.record()  # blend shares per unit; with group_aware, the groups of every rank
-        return GenomeData(cfg, objective, store, split, split, sampler, record)
+        return GenomeData(cfg, objective, store, split, split, sampler, record, sampler_at)
     except BaseException:
         store.close()
         raise

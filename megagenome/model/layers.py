@@ -15,6 +15,7 @@ dense counterpart does, at construction and at initialisation (`init_normal_`).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -86,24 +87,100 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)  # (..., dim)
 
 
+# YaRN's ramp bounds (Peng et al. 2023; transformers' defaults): frequencies turning more than BETA_FAST times over
+# the trained context are extrapolated (kept), those turning fewer than BETA_SLOW times are interpolated (/ factor).
+YARN_BETA_FAST = 32.0
+YARN_BETA_SLOW = 1.0
+
+
+def rope_original_max_len(cfg: ModelConfig) -> float:
+    """The context the model was trained at before an extension: --model.rope_original_max_len, default
+    --model.max_seq_len / --model.rope_factor."""
+    return cfg.rope_original_max_len if cfg.rope_original_max_len is not None else cfg.max_seq_len / cfg.rope_factor
+
+
+def ntk_theta(theta: float, factor: float, head_dim: int) -> float:
+    """The rotary base of NTK-aware scaling: theta x factor^(d/(d-2)), which stretches the lowest frequency's period
+    by exactly `factor` and leaves the highest (position-resolving) one as it was."""
+    return theta * factor ** (head_dim / (head_dim - 2))
+
+
+def yarn_mscale(factor: float) -> float:
+    """YaRN's attention factor: 0.1 ln(factor) + 1 (1 for factor <= 1), which cos and sin are multiplied by."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: str = "none", factor: float = 1.0, original_max_len: float | None = None
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq, mscale): the rotary frequencies, float64 (head_dim/2,), and the factor cos and sin are scaled by,
+    of one scaling scheme (--model.rope_scaling, ModelConfig's docstrings):
+
+        none    1 / theta^(2i/d), mscale 1 (the unscaled rotary embedding)
+        linear  the same / factor: positions / factor (position interpolation)
+        ntk     1 / ntk_theta(theta, factor, d)^(2i/d)
+        yarn    per frequency, between interpolation (/ factor) and extrapolation (unchanged) by a linear ramp over
+                the dimensions whose number of turns over original_max_len lies within [BETA_SLOW, BETA_FAST], bounds
+                rounded outwards as transformers' _compute_yarn_parameters does; mscale = yarn_mscale(factor), the
+                attention temperature sqrt(1/t) applied to q and k alike (so to their product squared)
+    """
+    if scaling == "ntk":
+        theta = ntk_theta(theta, factor, head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (head_dim/2,)
+    if scaling in ("none", "ntk"):
+        return inv_freq, 1.0
+    if scaling == "linear":
+        return inv_freq / factor, 1.0
+    if scaling != "yarn":
+        raise ValueError(f"--model.rope_scaling={scaling!r}: expected none, linear, ntk or yarn")
+    if original_max_len is None:
+        raise ValueError("yarn rotary scaling needs the trained context (--model.rope_original_max_len)")
+
+    def dimension(turns: float) -> float:  # the (fractional) dimension index whose frequency turns `turns` times
+        return head_dim * math.log(original_max_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dimension(YARN_BETA_FAST)), 0)
+    high = min(math.ceil(dimension(YARN_BETA_SLOW)), head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: / factor
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    return inv_freq, yarn_mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE), "rotate_half" convention: dimension i pairs with i + head_dim/2.
 
     The cos/sin tables are computed once in float32 for max_seq_len positions. They are
     non-persistent buffers: they follow .to(device) but are not saved in checkpoints, since they
     are a pure function of the config. Only the half-width tables are kept (both halves of a head
-    use the same frequencies), which halves their memory per layer.
+    use the same frequencies), which halves their memory per layer. A rotary scaling (rope_frequencies)
+    changes the frequencies and scales the tables by its mscale; with none (or factor 1 for linear and ntk) the
+    tables are bit for bit the unscaled ones, so runs without scaling compute exactly what they did before.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+    def __init__(
+        self,
+        head_dim: int,
+        max_seq_len: int,
+        theta: float = 10000.0,
+        scaling: str = "none",
+        factor: float = 1.0,
+        original_max_len: float | None = None,
+    ):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (head_dim/2,)
+        if scaling == "yarn" and original_max_len is None:
+            original_max_len = max_seq_len / factor
+        inv_freq, self.mscale = rope_frequencies(head_dim, theta, scaling, factor, original_max_len)
         # float64 angles so positions near max_seq_len keep their precision before the float32 cast.
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (max_seq_len, head_dim/2)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        if self.mscale != 1.0:
+            cos, sin = cos * self.mscale, sin * self.mscale
+        self.register_buffer("cos", cos.float(), persistent=False)
+        self.register_buffer("sin", sin.float(), persistent=False)
         self._cast: tuple = (None, None)  # (key, (cos, sin)): the tables cast to another dtype (tables())
 
     def tables(self, dtype: torch.dtype, offset: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +289,8 @@ class SelfAttention(nn.Module):
         # tensor-parallel rank whole heads with their own q, k and v.
         self.qkv = layers.column(cfg.d_model, 3 * cfg.d_model)
         self.proj = layers.row(cfg.d_model, cfg.d_model)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        scaling = (cfg.rope_scaling, cfg.rope_factor, rope_original_max_len(cfg))
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta, *scaling)
         # Selective activation checkpointing: a checkpoint function (fn(function, *args)) that recomputes
         # only the attention core in backward; its saved tensors are the largest per FLOP. None: keep them.
         self.recompute_core: Callable | None = None

@@ -65,6 +65,10 @@ class Setup:
     kernel: str = "flash"
     mask_bytes: int = 1  # CUDA dropout masks are bool
     comm_bytes: int | None = None
+    optimizer_bytes: float = 8.0  # optimizer-state bytes per parameter (states.bytes_per_parameter)
+    # A sequence-length warmup's stages before `seq` (data/curriculum.py): (window length, micro batch multiple: the
+    # windows per sample slot in its tokens mode, 1 in windows mode). Activations are sized for the largest stage.
+    warmup: tuple[tuple[int, int], ...] = ()
 
     def layout(self, gpus: int | None = None) -> ParallelLayout:
         """tensor x data parallelism over the cluster's GPUs (or `gpus` of them: the scaling table)."""
@@ -89,13 +93,11 @@ def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
     psi = n_params(shape, tp)
     persistent = persistent_params(shape, knobs["stage3_param_persistence_threshold"], tp)
     edges = max(gradient_buffer_elements(param_groups(shape, tp), dp))  # the rank with the most
-    states = model_states(psi, persistent, cand.stage, dp, prec, cand.offload, edges)
+    states = model_states(psi, persistent, cand.stage, dp, prec, cand.offload, edges, setup.optimizer_bytes)
     largest = max(param_numels(shape, tp))
     resident = resident_buffers(psi, cand.stage, dp, prec, knobs, largest, cand.offload)
     transient = transient_buffers(psi, cand.stage, prec, knobs, block_params(shape, tp))
-    acts = activation_bytes(
-        shape, setup.seq, cand.micro, cand.policy, prec.p, cand.every, setup.kernel, None, setup.mask_bytes, tp
-    )
+    acts, act_seq = stage_activations(setup, cand, prec.p, tp)
     gpu = {name: states[name].gpu for name in STATES}
     gpu["activations"] = acts["saved"] + acts["transient"]
     gpu["buffers"] = resident.gpu + transient
@@ -135,6 +137,7 @@ def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
         "memory_gib": {k: v / GIB for k, v in gpu.items()},
         "host_gib_per_rank": host / GIB,
         "activations_saved_gib": acts["saved"] / GIB,
+        "activations_seq_len": act_seq,  # the stage they are sized for (setup.warmup)
         "model_states_gib": sum(states[n].total for n in STATES) / GIB,
         "paper_model_states_gib": paper_bytes(psi, cand.stage, dp) / GIB,
         "fits": fits_gpu and fits_host,
@@ -150,6 +153,22 @@ def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
         "tokens_per_s": tokens / step.total,
         "tokens_per_s_per_gpu": tokens / step.total / (dp * tp),
     }
+
+
+def stage_activations(setup: Setup, cand: Candidate, weight_bytes: int, tp: int) -> tuple[dict, int]:
+    """(activation_bytes, window length) of the stage with the largest activation footprint: seq, or a warmup stage
+    (its length, at cand.micro x its multiple), the longer length on a tie. In tokens mode every stage holds the same
+    tokens: with flash attention every term is then equal (seq is reported), and the math kernel's s x s scores grow
+    with the length; in windows mode a shorter stage holds fewer tokens."""
+    sized = []
+    for seq, k in ((setup.seq, 1), *setup.warmup):
+        acts = activation_bytes(
+            setup.shape, seq, cand.micro * k, cand.policy, weight_bytes, cand.every, setup.kernel, None,
+            setup.mask_bytes, tp,
+        )  # fmt: skip
+        sized.append((acts["saved"] + acts["transient"], seq, acts))
+    _, seq, acts = max(sized, key=lambda t: t[:2])  # ties: the longer length
+    return acts, seq
 
 
 def grid(setup: Setup, micro_batches: list[int] | None = None) -> list[Candidate]:

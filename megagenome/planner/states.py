@@ -34,6 +34,7 @@ capped by stage3_max_live_parameters).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -48,6 +49,54 @@ DS_DEFAULTS = {
     "stage3_max_live_parameters": 1_000_000_000,
 }
 STAGE0_ALLREDUCE_ELEMENTS = 500_000_000  # the engine's elements_per_buffer for ZeRO-0 gradient all-reduce
+
+
+# Optimizer-state bytes per element (train/optimizers.py builds these): fp32 exp_avg and exp_avg_sq for AdamW and
+# LAMB; Muon's fp32 momentum on its matrices; 8-bit Adam's two int8 moments plus one fp32 scale per block of 256 for
+# each (bitsandbytes and torchao alike quantize only tensors of >= 4096 elements, whole blocks for torchao), and per
+# quantized tensor torchao's two 256-entry fp32 code books (bitsandbytes shares one per optimizer).
+ADAM_BYTES = 8.0
+MUON_BYTES = 4.0
+BLOCK, MIN_8BIT = 256, 4096
+ADAM8BIT_BYTES = 2 + 2 * 4 / BLOCK
+QMAP_BYTES = 2 * 256 * 4
+
+
+def optimizer_state_bytes(optimizer: str, shapes: list[tuple[tuple[int, ...], bool]]) -> float:
+    """Bytes of optimizer state for parameters of these shapes, each with whether it is a 2-D hidden matrix (what
+    Muon orthogonalises). adafactor keeps a row and a column factor (fp32) of each tensor of 2+ dims and a full fp32
+    second moment of vectors (torch.optim.Adafactor, no first moment); muon keeps momentum on hidden matrices and
+    AdamW's 8 bytes on the rest."""
+    total = 0.0
+    for shape, hidden in shapes:
+        n = math.prod(shape)
+        if optimizer in ("adamw", "lamb"):
+            total += ADAM_BYTES * n
+        elif optimizer == "adafactor":
+            total += 4.0 * (n // shape[-1] // shape[-2] * (shape[-1] + shape[-2]) if len(shape) >= 2 else n)
+        elif optimizer == "muon":
+            total += (MUON_BYTES if hidden else ADAM_BYTES) * n
+        elif optimizer == "adam8bit":
+            quantized = n >= MIN_8BIT and n % BLOCK == 0
+            total += ADAM8BIT_BYTES * n + QMAP_BYTES if quantized else ADAM_BYTES * n
+        else:
+            raise ValueError(f"--train.optimizer={optimizer}: unknown optimizer")
+    return total
+
+
+def model_shapes(d_model: int, d_ff: int, n_layer: int, padded_vocab: int, tied: bool, tp: int = 1) -> list:
+    """(shape, is a hidden matrix) of each parameter a rank holds, as DNATransformer builds them (tied once)."""
+    d, f = d_model, d_ff
+    out = [((padded_vocab // tp, d), False)]
+    block = [((d,), False), ((3 * d // tp, d), True), ((d, d // tp), True), ((d,), False)]
+    block += [((f // tp, d), True), ((f // tp, d), True), ((d, f // tp), True)]
+    out += block * n_layer + [((d,), False)]
+    return out if tied else out + [((padded_vocab // tp, d), False)]
+
+
+def bytes_per_parameter(optimizer: str, shapes: list) -> float:
+    """Mean optimizer-state bytes per parameter for these shapes (what model_states takes as optimizer_bytes)."""
+    return optimizer_state_bytes(optimizer, shapes) / max(1, sum(math.prod(s) for s, _ in shapes))
 
 
 @dataclass(frozen=True)
@@ -95,11 +144,13 @@ def model_states(
     precision: Precision,
     offload: bool = False,
     grad_elements: float | None = None,
+    optimizer_bytes: float = ADAM_BYTES,
 ) -> dict[str, Where]:
     """Per-rank bytes of params, grads, master_params, optimizer_states as DeepSpeed 0.19.8 holds them.
 
     grad_elements: this rank's elements of the stage 1-2 contiguous gradient buffer, whole parameters at the
-    partition's edges included (activations.gradient_buffer_elements); default Psi/N.
+    partition's edges included (activations.gradient_buffer_elements); default Psi/N. optimizer_bytes: state bytes
+    per parameter of --train.optimizer (bytes_per_parameter; 8 for AdamW).
     """
     if stage not in (0, 1, 2, 3) or dp < 1:
         raise ValueError(f"ZeRO stage {stage} with {dp} data-parallel ranks: need stage 0-3 and >= 1 rank")
@@ -130,11 +181,11 @@ def model_states(
         grads = Where(cpu=g * part + 4 * part)
     if stage == 0:
         master = Where(gpu=4 * psi if mixed else 0.0)
-        adam = Where(gpu=8 * psi)
+        adam = Where(gpu=optimizer_bytes * psi)
     elif offload:
-        master, adam = Where(cpu=4 * part), Where(cpu=8 * part)
+        master, adam = Where(cpu=4 * part), Where(cpu=optimizer_bytes * part)
     else:
-        master, adam = Where(gpu=4 * part), Where(gpu=8 * part)
+        master, adam = Where(gpu=4 * part), Where(gpu=optimizer_bytes * part)
     return {"params": params, "grads": grads, "master_params": master, "optimizer_states": adam}
 
 

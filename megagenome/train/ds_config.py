@@ -23,6 +23,7 @@ from megagenome.config.sections import TrainConfig
 from megagenome.parallel.layout import BatchSizes
 from megagenome.train import ds_schema
 from megagenome.train.ds_schema import unknown_key_problems as _unknown
+from megagenome.train.schedules import scheduler_entry
 
 # Top-level keys DeepSpeed 0.19 reads. DeepSpeed silently ignores anything else, so a typo such as
 # "zero_optimisation" would train without ZeRO; we reject unknown keys instead.
@@ -91,7 +92,8 @@ ROOT_OWNED_KEYS = {
     "gradient_accumulation_steps": "--train.grad_accum_steps",
     "gradient_clipping": "--train.grad_clip",
     "optimizer": "--train.lr and the other --train optimizer flags",
-    "scheduler": "--train.warmup_steps / --train.max_steps / --train.min_lr",
+    "zero_allow_untested_optimizer": "--train.optimizer (set where a client optimizer may run under ZeRO)",
+    "scheduler": "--train.schedule / --train.warmup_steps / --train.max_steps / --train.min_lr",
 }
 
 ACTIVATION_CHECKPOINTING_KEYS = frozenset(
@@ -393,34 +395,6 @@ def adam_choice(ds: dict, torch_adam: bool | None, on_gpu: bool) -> dict:
     return params
 
 
-def optimizer_entry(ds: dict, train: TrainConfig, lr: float, on_gpu: bool) -> dict:
-    """The "optimizer" entry DeepSpeed builds the optimizer from."""
-    return {
-        "type": "AdamW",
-        "params": {
-            "lr": lr,
-            "betas": [train.beta1, train.beta2],
-            "eps": train.adam_eps,
-            "weight_decay": train.weight_decay,
-            **adam_choice(ds, train.torch_adam, on_gpu),
-        },
-    }
-
-
-def scheduler_entry(train: TrainConfig, lr: float, min_lr: float) -> dict:
-    """The "scheduler" entry DeepSpeed builds the learning-rate schedule from."""
-    return {
-        "type": "WarmupCosineLR",
-        "params": {
-            "total_num_steps": train.max_steps,
-            "warmup_num_steps": max(1, train.warmup_steps),
-            "warmup_type": "linear",
-            "warmup_min_ratio": 0.0,
-            "cos_min_ratio": min_lr / lr,
-        },
-    }
-
-
 def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: bool, on_gpu: bool) -> dict:
     """The exact dict given to deepspeed.initialize: the JSON plus the keys the run config owns (batch sizes from the
     layout, optimizer and schedule from --train.*, checkpoint.load_universal from --checkpoint.universal)."""
@@ -433,10 +407,14 @@ def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: 
             "gradient_accumulation_steps": batch.grad_accum,
             "train_batch_size": batch.global_batch,
             "gradient_clipping": train.grad_clip,
-            "optimizer": optimizer_entry(ds, train, lr, on_gpu),
-            "scheduler": scheduler_entry(train, lr, min_lr),
         }
     )
+    from megagenome.train import optimizers  # it reads this module's helpers: imported here, not at the top
+
+    merged.update(optimizers.ds_entries(ds, train, lr, on_gpu))  # "optimizer", or a client optimizer's keys
+    scheduler = scheduler_entry(train, lr, min_lr)  # None: the engine gets a client scheduler (train/schedules.py)
+    if scheduler is not None:
+        merged["scheduler"] = scheduler
     if universal:
         merged.setdefault("checkpoint", {})["load_universal"] = True
     if train.nvme_path:

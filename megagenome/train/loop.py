@@ -22,17 +22,17 @@ judged, and a bad step is acted on at the next sync point exactly as at N = 1 (t
 by the rollback or the stop). The spike detector makes every step a sync point (it needs each loss before the
 update). Throughput is timed from one sync point to the next, evaluation and checkpoint saving excluded.
 
-Accounting (one row per logging window, metrics.py for the FLOP formulas): tokens counts every position of every
-window trained (padding and N included) and is cumulative; window_tokens is that count for the window and
-window_real_tokens the positions that carry loss (loss_weight > 0: not N, not packing separators, for mlm only
-the selected positions), counted on the CPU batches by TokenCounter. tokens_per_s is global; tflops_per_gpu and
-mfu use the model FLOPs (6N + 6*L*d*s per token for clm, causal attention at half as Megatron-LM counts it;
-6N + 12*L*d*s for mlm), hw_tflops_per_gpu and hfu the hardware FLOPs (plus what activation checkpointing
-recomputes); tflops_per_gpu_full_attn, mfu_full_attn and hfu_full_attn count every attention score (PaLM);
-peak_tflops and peak_source say what the ratios divide by. mem_peak_bytes is rank 0's peak, mem_peak_bytes_max
-the largest over ranks. The loss, the real-token count and every rank's peak memory travel in one reduce_sum per
-logged window (each rank puts its peak in its own slot of a vector, so the sum carries them all and the maximum is
-taken locally): no extra collective.
+Accounting (one row per logging window, metrics.py for the FLOP formulas): seq_len is the window length in force (a
+warmup's, data/curriculum.py, which the token counts and FLOPs follow); tokens counts every position of every window
+trained (padding and N included) and is cumulative; window_tokens is that count for the window and window_real_tokens
+the positions that carry loss (loss_weight > 0: not N, not packing separators, for mlm only the selected positions),
+counted on the CPU batches by TokenCounter. tokens_per_s is global; tflops_per_gpu and mfu use the model FLOPs
+(6N + 6*L*d*s per token for clm, causal attention at half as Megatron-LM counts it; 6N + 12*L*d*s for mlm),
+hw_tflops_per_gpu and hfu the hardware FLOPs (plus what activation checkpointing recomputes); tflops_per_gpu_full_attn,
+mfu_full_attn and hfu_full_attn count every attention score (PaLM); peak_tflops and peak_source say what the ratios
+divide by. mem_peak_bytes is rank 0's peak, mem_peak_bytes_max the largest over ranks. The loss, the real-token count
+and every rank's peak memory travel in one reduce_sum per logged window (each rank puts its peak in its own slot of a
+vector, so the sum carries them all and the maximum is taken locally): no extra collective.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megagenome.data.curriculum import Curriculum
 from megagenome.metrics import MetricsWriter, bits_per_base
 from megagenome.train.stopping import PREEMPTED_EXIT, Stop, StopRequest
 from megagenome.train.sync_points import Cadence, Done, act_on_verdicts, agree
@@ -84,6 +85,19 @@ class LoopPlan:
     # Whether this rank adds the real tokens of its batches to the global count: one rank per data-parallel replica
     # and sequence chunk does (tensor-parallel rank 0 of the first pipeline stage), as the others see the same tokens.
     counts_tokens: bool = True
+    # The sequence-length warmup (data/curriculum.py; None: seq_len throughout) and flops_at(length), flop_counts at a
+    # stage's length (the attention term grows with it), which a warmup needs.
+    curriculum: Curriculum | None = None
+    flops_at: Callable[[int], tuple[float, float, float, float]] | None = None
+
+    def flop_counts(self, length: int) -> tuple[float, float, float, float]:
+        """(model, model full-attention, hardware, hardware full-attention) FLOPs per token at window `length`."""
+        if self.flops_at is not None or length != self.seq_len:
+            return self.flops_at(length)  # a warmup without flops_at fails here, not with wrong MFUs
+        hw = self.flops_per_token if self.hw_flops_per_token is None else self.hw_flops_per_token
+        full = self.flops_per_token if self.flops_per_token_full_attn is None else self.flops_per_token_full_attn
+        hw_full = hw if self.hw_flops_per_token_full_attn is None else self.hw_flops_per_token_full_attn
+        return self.flops_per_token, full, hw, hw_full
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -352,19 +366,19 @@ def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tok
     peaks[plan.rank] = float(mem_peak)
     counts = [real, batches] if plan.counts_tokens else [0, 0]
     loss_sum, real_sum, batch_sum, *peaks = reduce_sum([window.loss, *counts, *peaks])
-    window_tokens = plan.global_batch * plan.seq_len * window.steps
-    tokens_per_s = window_tokens / max(window.seconds, 1e-9)
-    hw_flops_per_token = plan.flops_per_token if plan.hw_flops_per_token is None else plan.hw_flops_per_token
-    full = plan.flops_per_token if plan.flops_per_token_full_attn is None else plan.flops_per_token_full_attn
-    hw_full = hw_flops_per_token if plan.hw_flops_per_token_full_attn is None else plan.hw_flops_per_token_full_attn
-    tflops, hw_tflops, tflops_full, hw_tflops_full = (
-        f * tokens_per_s / plan.world_size / 1e12 for f in (plan.flops_per_token, hw_flops_per_token, full, hw_full)
+    # The window's steps at the lengths in force (data/curriculum.py): tokens, and FLOPs at each step's length.
+    c, first, batch = plan.curriculum or Curriculum(plan.seq_len), done - window.steps, plan.global_batch
+    seconds, window_tokens = max(window.seconds, 1e-9), c.tokens_before(done, batch) - c.tokens_before(first, batch)
+    tokens_per_s = window_tokens / seconds
+    tflops, tflops_full, hw_tflops, hw_tflops_full = (
+        f / seconds / plan.world_size / 1e12 for f in c.weighted_tokens(first, done, batch, plan.flop_counts)
     )
     peak = plan.peak_tflops
     grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
     return {
         "step": done,
-        "tokens": done * plan.global_batch * plan.seq_len,
+        "tokens": c.tokens_before(done, batch),
+        "seq_len": c.stage_at(done - 1).length,
         "loss": loss_sum * plan.loss_shards / (window.steps * plan.world_size),
         "lr": float(engine.get_lr()[0]),
         "grad_norm": None if grad_norm is None else float(grad_norm),

@@ -74,7 +74,7 @@ def model_state_bytes(engine) -> dict:
         if hasattr(p, "ds_tensor"):  # ZeRO-3 partition of this parameter
             candidates.append(("params", p.ds_tensor))
     for state in basic.state.values():
-        candidates += [("optimizer_states", t) for t in state.values() if isinstance(t, torch.Tensor)]
+        candidates += [("optimizer_states", t) for v in state.values() for t in _inner_tensors(v)]
     candidates += [("master_params", p) for p in basic.state if isinstance(p, torch.Tensor)]
     for group in basic.param_groups:
         candidates += [("master_params", p) for p in group["params"]]
@@ -108,6 +108,19 @@ def model_state_bytes(engine) -> dict:
     out["total"] = sum(out[c] for c in MODEL_STATES)
     out["by_device"] = by_device
     return out
+
+
+def _inner_tensors(value) -> list:
+    """The plain tensors holding `value`: itself, or a tensor subclass's inner tensors (torchao's 8-bit optimizer
+    states keep int8 codes and fp32 block scales behind a wrapper whose own storage is a placeholder)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return []
+    if type(value) is torch.Tensor or not hasattr(value, "__tensor_flatten__"):
+        return [value]
+    names, _ = value.__tensor_flatten__()
+    return [t for name in names for t in _inner_tensors(getattr(value, name))]
 
 
 def _tensors_of(obj, attr: str = "", depth: int = 0, seen: set | None = None):
@@ -153,6 +166,9 @@ def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_s
             "offload": sorted(dsc.offload_devices(ds_config)),
             "precision": dsc.weights_dtype(ds_config),
             "grad_accum_dtype": ds_config.get("data_types", {}).get("grad_accum_dtype"),
+            "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
+            # all ranks' optimizer states over the model's parameters: 8 for AdamW, less for adafactor/muon/adam8bit
+            "optimizer_state_bytes_per_parameter": sum(r["optimizer_states"] for r in ranks) / max(1, n_params),
             "formula_bytes_per_rank": zero_model_state_bytes(n_params, stage, dp_size),
             "ranks": ranks,
         }
