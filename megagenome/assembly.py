@@ -324,6 +324,7 @@ def load(run: Run, path: str, restore_rng: bool = True) -> dict:
     client state. Refuses a checkpoint of another model or data definition (config_differences, or config_hash for
     one that records only the hash)."""
     client = checkpoint.load(run.engine, path, run.ranks.rank, restore_rng=restore_rng)
+    schedules.reapply(run.engine)  # ZeRO loads the optimizer's saved LRs after the scheduler: this run's schedule
     saved = client.get("run_config")  # its recorded keys, compared as resume_checks does (an allowed context change)
     if saved is not None:
         differs = bool(config_differences(saved, run.cfg))

@@ -125,7 +125,10 @@ def rope_fields(cfg: ModelConfig) -> dict:
     as transformers names it: linear -> "linear" (inv_freq / factor); yarn -> "yarn" with the trained context, the
     beta bounds and the attention factor spelled out; ntk -> "default" at the changed base (transformers' "dynamic"
     NTK rescales with each input's length and leaves inputs up to max_position_embeddings unscaled, another
-    function), so every scheme loads as the same function (tests/test_context_extension.py)."""
+    function), so every scheme loads as the same function (tests/test_context_extension.py). transformers 4.x reads
+    yarn's factor as max_position_embeddings / original_max_position_embeddings when the latter is given (5.x reads
+    `factor`): config/checks.py requires --model.rope_original_max_len x --model.rope_factor = --model.max_seq_len,
+    as the default original (max_seq_len / factor) is, so both read the same factor."""
     theta, scaling = cfg.rope_theta, cfg.rope_scaling
     if scaling == "ntk":
         theta, scaling = ntk_theta(theta, cfg.rope_factor, cfg.d_model // cfg.n_head), "none"

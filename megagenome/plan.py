@@ -27,6 +27,7 @@ from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
 from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
 from megagenome.planner.states import DTYPE_BYTES, STATES, Precision, bytes_per_parameter, model_shapes
 from megagenome.planner.timing import Cluster
+from megagenome.train import optimizers
 from megagenome.train.ds_config import (
     ds_config_files,
     dtype_name,
@@ -130,6 +131,28 @@ def _fragments(stage: int, offload: bool) -> tuple[str, dict]:
     return f"ds_configs/{name}", {k: v for k, v in zero.items() if not isinstance(v, dict)}
 
 
+def optimizer_refusals(cfg: RootConfig, ds: dict, prec: Precision) -> dict[tuple[int, bool], str]:
+    """(stage, offload) -> why --train.optimizer cannot run there (train/optimizers.py problems), for the grid's
+    candidates: the user's DeepSpeed JSON with the candidate's shipped ZeRO fragment and the plan's precision, so the
+    plan never recommends a run that validation refuses. The bitsandbytes check belongs to the launching machine."""
+    out = {}
+    for stage in range(4):
+        for offload in (False, True) if stage >= 2 else (False,):
+            path = os.path.join(SHIPPED, _fragments(stage, offload)[0].split("/")[-1])
+            zero = load_ds_json(path).get("zero_optimization", {}) if os.path.exists(path) else {}
+            cand = {
+                **ds,
+                "zero_optimization": {**zero, "stage": stage},
+                "fp16": {**(ds.get("fp16") or {}), "enabled": prec.weights == "fp16"},
+                "bf16": {"enabled": prec.weights == "bf16"},
+                "data_types": {**(ds.get("data_types") or {}), "grad_accum_dtype": prec.grad_accum},
+            }
+            problems = optimizers.problems(cfg, cand, on_gpu=False)
+            if problems:
+                out[(stage, offload)] = problems[0]
+    return out
+
+
 def _precision_fragment(prec: Precision, stage: int) -> str | None:
     if prec.weights == "fp32":
         return None
@@ -173,10 +196,13 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
         comm_bytes=DTYPE_BYTES.get(comm_name),
         optimizer_bytes=_optimizer_bytes(cfg, tp),
     )
-    candidates = grid(setup)
+    refused = optimizer_refusals(cfg, ds, prec)
+    candidates = [c for c in grid(setup) if (c.stage, c.offload) not in refused]
     rows = [evaluate(setup, c) for c in candidates]
     best = recommend(rows)
-    notes = _notes(prec)
+    notes = _notes(prec) + [
+        f"ZeRO-{s}{' with offload' if o else ''} left out: {why}" for (s, o), why in sorted(refused.items())
+    ]
     yours = _your_config(setup, cfg, ds, dp)
     out = {
         "model": {**dataclasses.asdict(setup.shape), "parameters": n_params(setup.shape), "seq_len": setup.seq},
@@ -296,7 +322,13 @@ def render(plan: dict) -> str:
         f"precision: {p['weights']} weights, {p['grad_accum']} gradient accumulation (from "
         f"{', '.join(plan['ds_config'])} unless overridden)",
         f"optimizer: {plan['optimizer']['name']}, {plan['optimizer']['state_bytes_per_parameter']:.2f} bytes of "
-        "optimizer state per parameter (the adam column)",
+        "optimizer state per parameter (the adam column)"
+        + (
+            "; 8-bit on each tensor that torchao quantizes (>= 4096 elements, a multiple of 256); under ZeRO, "
+            "partitions whose size is not a multiple of 256 keep fp32 moments (8)"
+            if plan["optimizer"]["name"] == "adam8bit"
+            else ""
+        ),
         "assumptions: gradient reduce-scatter hidden behind backward where overlap_comm is true (stages 2-3 as "
         "shipped), stage 0-1 reductions and all-gathers exposed; flash attention (no s x s scores); memory budget "
         f"{budget:.1f} GiB per GPU ({c['memory_margin']:.0%} kept for fragmentation; runtime {c['runtime_gb']:g} GiB "

@@ -108,7 +108,8 @@ def _run(cfg: RootConfig, config_files: list[str], keep_process_group: bool, sto
         _write_records(run, data)
         peak = _peak(run)
         start_step, writer, resumed = _resume(run, validated)
-        result = _fit(run, data, _loop_plan(run, start_step, peak), writer, stop, resumed)
+        plan = replace(_loop_plan(run, start_step, peak), tokens_at_start=resumed.get("tokens"))  # None: older
+        result = _fit(run, data, plan, writer, stop, resumed)
         if cfg.data.prepared:
             _write_groups(run, data)
         out = {}
@@ -271,7 +272,7 @@ def _fit(
 
     def save(step: int) -> None:
         with watchdog.paused():
-            _save(run, step, cursor["offset"], list(guard.window))
+            _save(run, step, cursor["offset"], list(guard.window), plan.tokens_at(step))
 
     def rollback(bad_step: int) -> int | None:
         with watchdog.paused():
@@ -304,15 +305,16 @@ def _fit(
         writer.close()  # flushes TensorBoard and finishes the W&B run, also on failure
 
 
-def _save(run: Run, step: int, offset: int, spike_window: list[float]) -> None:
+def _save(run: Run, step: int, offset: int, spike_window: list[float], tokens: int) -> None:
     """A checkpoint of `step` (train/checkpoint.py save: verified, on every rank) with the client state a resume
     needs: the step and samples consumed, the layout and micro batch, the config keys and data fingerprint it is
-    checked against (resume_checks.py), the data offset and the spike detector's window (train/divergence.py)."""
-    cfg, b = run.cfg, run.batch
-    client = {"step": step, "samples_consumed": step * b.global_batch, "config_hash": config_hash(cfg)}
-    client.update(world_size=run.ranks.world_size, micro_batch=b.micro)  # group-aware: micro-batch blocks
-    client.update(run_config=resume_record(cfg), data=run.data_fingerprint)
-    client.update(data_offset=offset, spike_window=spike_window)
+    checked against (resume_checks.py), the data offset, the spike detector's window (train/divergence.py) and the
+    cumulative tokens (LoopPlan.tokens_at: a resume at another context counts on from them)."""
+    cfg, b, fingerprint = run.cfg, run.batch, run.data_fingerprint
+    client = dict(step=step, samples_consumed=step * b.global_batch, config_hash=config_hash(cfg), tokens=tokens)
+    # group-aware data needs the micro-batch blocks; a resume with another optimizer is refused (resume_checks.py)
+    client.update(world_size=run.ranks.world_size, micro_batch=b.micro, train_optimizer=cfg.train.optimizer)
+    client.update(run_config=resume_record(cfg), data=fingerprint, data_offset=offset, spike_window=spike_window)
     root = assembly.checkpoint_root(cfg)
     keep, layout = cfg.checkpoint.keep_last, run.layout.record()
     try:

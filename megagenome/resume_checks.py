@@ -5,6 +5,8 @@
                    previous complete one taken, with a warning
     config         every model and data key of the checkpoint's recorded config (config.resume_record) equal to this
                    run's; the differing keys are listed with both values
+    optimizer      --train.optimizer equal to the one that wrote the checkpoint (client_state.json "train_optimizer"; a
+                   checkpoint without it was written by adamw): another optimizer cannot load its states
     data           the SHA-256 of the training data (data/fingerprint.py: the FASTA, or the prepared manifest and
                    each shard's recorded digest) equal to the checkpoint's, unless --checkpoint.allow_data_change
     layout         the parallel layout and global batch the checkpoint can resume under (train/checkpoint.py); a
@@ -55,6 +57,7 @@ def resolve(cfg: RootConfig, layout: ParallelLayout | None, root: str, fingerpri
         return out
     info = checkpoint.read_info(out.path)
     out.problems += _config_problems(out.path, info, cfg)
+    out.problems += optimizer_problems(out.path, info, cfg)
     out.problems += _data_problems(out, info, cfg, fingerprint)
     if layout is not None:
         _layout_problems(
@@ -81,6 +84,20 @@ def _config_problems(path: str, info: dict, cfg: RootConfig) -> list[str]:
             "start a new --log.run_dir"
         ]
     return []
+
+
+def optimizer_problems(path: str, info: dict, cfg: RootConfig) -> list[str]:
+    """A resume with another --train.optimizer than the checkpoint's: its optimizer states (Adam moments, Muon
+    momentum, 8-bit codes, Adafactor factors) are of another shape or kind, and DeepSpeed would fail half-way through
+    loading or load them into the wrong slots. Checkpoints written before the field existed were adamw's."""
+    saved = info.get("train_optimizer", "adamw")  # not "optimizer": DeepSpeed's own key in the client state
+    if saved == cfg.train.optimizer:
+        return []
+    return [
+        f"checkpoint {path} was written with --train.optimizer={saved}, this run has --train.optimizer="
+        f"{cfg.train.optimizer}: its optimizer states cannot be loaded by another optimizer; resume with "
+        f"--train.optimizer {saved}, or start a new --log.run_dir (nothing was written)"
+    ]
 
 
 def _data_problems(out: Resume, info: dict, cfg: RootConfig, current: dict | None) -> list[str]:

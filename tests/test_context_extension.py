@@ -163,6 +163,11 @@ def test_rope_flags_are_validated_naming_the_flag():
             "rope_factor": 2.0,
             "rope_original_max_len": 2048,
         },
+        "--model.rope_original_max_len=512 x --model.rope_factor=4.0 must equal --model.max_seq_len=1024 with yarn": {
+            "rope_scaling": "yarn",
+            "rope_factor": 4.0,
+            "rope_original_max_len": 512,
+        },
         "--model.rope_scaling ntk needs a head size above 2": {
             "rope_scaling": "ntk",
             "rope_factor": 2.0,
@@ -205,13 +210,18 @@ def test_a_run_without_rotary_scaling_records_what_it_did_before_the_flags():
         "--model.rope_factor",
         "--model.rope_scaling",
     ]
+    hint = " (a context change: --checkpoint.allow_context_change true)"  # back to none: its default, not None
+    assert config_differences(resume_record(scaled), _cfg()) == [
+        "--model.rope_factor: checkpoint 2.0, this run 1.0" + hint,
+        "--model.rope_scaling: checkpoint 'yarn', this run 'none'" + hint,
+    ]
 
 
 # ----- Hugging Face export ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "scaling,factor,original", [("linear", 4.0, None), ("ntk", 4.0, None), ("yarn", 4.0, None), ("yarn", 3.0, 40)]
+    "scaling,factor,original", [("linear", 4.0, None), ("ntk", 4.0, None), ("yarn", 3.0, None), ("yarn", 3.2, 40)]
 )
 def test_scaled_export_loads_in_transformers_as_the_same_function(tmp_path, scaling, factor, original):
     transformers = pytest.importorskip("transformers")
@@ -329,6 +339,13 @@ def test_resume_at_a_longer_context_with_linear_scaling(extended):
     assert "rope_scaling" not in before["run_config"]["model"]  # unscaled: recorded as before the flags existed
     assert after["run_config"]["model"]["rope_scaling"] == "linear" and after["run_config"]["data"]["seq_len"] == 128
     assert after["samples_consumed"] == 6 * GLOBAL_BATCH
+    # Cumulative tokens: steps 1-4 at 8 x 64 as the step-4 checkpoint saved them, steps 5-6 at 8 x 128 on top
+    short, longer = GLOBAL_BATCH * 64, GLOBAL_BATCH * 128
+    assert (before["tokens"], after["tokens"]) == (4 * short, 4 * short + 2 * longer)
+    assert [r["tokens"] for r in rows if "split" not in r] == [short * s for s in (1, 2, 3, 4)] + [
+        4 * short + longer,
+        4 * short + 2 * longer,
+    ]
     # The step-6 evaluation scored windows of 128 (8 x 128 predicted bases, 8 x 64 at step 4) with the final weights
     # in the model the recorded config builds, whose rotary tables are linear x2's.
     evals = {r["step"]: r for r in rows if r.get("split") == "val"}

@@ -6,7 +6,9 @@ LRs, state), the "scheduler" entry and the config problems.
 
 Tier 2 (one 2-rank launch, ZeRO-1 fp32, every scenario in one process group): extending a wsd run from a checkpoint
 of its stable phase with a larger --train.max_steps equals a run that had the larger budget from the start (losses
-and weights), and the lr column of cosine, linear (with --train.lr_scaling sqrt) and constant runs is the pure
+and weights); so does extending it from a step of its decay whose last update was still at the peak (the first
+update after the resume runs at the new schedule's LR, not at the one ZeRO restores with the optimizer state:
+schedules.reapply), and the lr column of cosine, linear (with --train.lr_scaling sqrt) and constant runs is the pure
 function's, exactly.
 """
 
@@ -174,6 +176,7 @@ def test_schedule_problems_are_named():
 
 WSD = {"schedule": "wsd", "warmup_steps": 2, "decay_fraction": 0.25, "decay_shape": "sqrt", "eval_interval": 4}
 SHORT, LONG, SAVED = 8, 12, 4  # run A's budget (decay after step 6), the extended budget (after 9), A's checkpoint
+IN_DECAY = 7  # A's checkpoint whose saved LR is decayed (A's update 7 was its last at the peak, as B's was)
 LR_RUNS = {
     "cosine": {"schedule": "cosine", "warmup_steps": 3},
     "linear": {"schedule": "linear", "warmup_steps": 2, "lr_scaling": "sqrt", "reference_batch": 2},
@@ -191,15 +194,18 @@ def _scenario(root, fasta, name, max_steps, **train):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("schedules")
     fasta = copy_genome("phiX174_NC_001422.1.fna", root)
-    saved = str(root / "wsd_a" / "checkpoints" / f"step_{SAVED:08d}")
+    saved, decaying = (str(root / "wsd_a" / "checkpoints" / f"step_{s:08d}") for s in (SAVED, IN_DECAY))
     scenarios = [
         _scenario(root, fasta, "wsd_a", SHORT, **WSD),
         _scenario(root, fasta, "wsd_b", LONG, **WSD),
         # A's stable-phase checkpoint, continued in a run directory of its own with the larger budget
         _scenario(root, fasta, "wsd_extended", LONG, **WSD),
+        _scenario(root, fasta, "wsd_from_decay", LONG, **WSD),  # A's step 7 with the larger budget
         *[_scenario(root, fasta, name, 6, eval_interval=6, **train) for name, train in LR_RUNS.items()],
     ]
+    scenarios[0]["config"]["checkpoint"].update(interval=1, keep_last=5)  # A keeps steps 4-8
     scenarios[2]["config"]["checkpoint"]["resume"] = saved
+    scenarios[3]["config"]["checkpoint"]["resume"] = decaying
     return run_worker(root, scenarios, 2)
 
 
@@ -247,3 +253,18 @@ def test_lr_column_follows_the_schedule(runs, name):
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert [r["lr"] for r in rows] == [lr * s.multiplier(r["step"]) for r in rows]
     assert len({r["lr"] for r in rows}) > 2  # the column moves: a constant 3e-3 would fail
+
+
+def test_a_resume_runs_its_first_update_at_the_new_schedules_lr(runs):
+    """A's step-7 checkpoint holds its decayed LR in the optimizer state, which DeepSpeed restores (ZeRO-1) after the
+    scheduler; resumed with max_steps 12, update 8 must run at B's peak LR (schedules.reapply), so the run equals B
+    from there on. At A's LR the weights would differ by about lr x 0.64 = 2e-3."""
+    a, _ = _rows(runs, "wsd_a")
+    b, _ = _rows(runs, "wsd_b")
+    ext, _ = _rows(runs, "wsd_from_decay")
+    assert [r["step"] for r in ext] == list(range(IN_DECAY + 1, LONG + 1))
+    assert a[IN_DECAY - 1]["lr"] < b[IN_DECAY - 1]["lr"]  # the checkpoint's LR is not the new schedule's
+    loss_diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(ext, b[IN_DECAY:]))
+    weight_diff = max_abs_diff(_weights(runs, "wsd_from_decay", LONG), _weights(runs, "wsd_b", LONG))
+    print(f"wsd run extended from its decay vs uninterrupted: loss {loss_diff:.3g}, weights {weight_diff:.3g}")
+    assert loss_diff <= LOSS_ATOL and weight_diff <= WEIGHT_ATOL

@@ -180,6 +180,7 @@ def test_a_valid_curriculum_has_no_problems():
         ({"data__seq_warmup_lengths": [128, 512], "data__seq_warmup_steps": [1, 1]}, ["[512] not within [1"]),
         ({"data__seq_warmup_lengths": [96], "data__seq_warmup_steps": [1]}, ["[96] do not divide --data.seq_len=512"]),
         ({"data__seq_warmup_lengths": [128], "data__seq_warmup_steps": [0]}, ["positive number of steps"]),
+        ({"data__seq_warmup_mode": "windows"}, ["windows has no effect without --data.seq_warmup_lengths"]),
         ({"data__seq_warmup_lengths": [128], "data__seq_warmup_steps": [100]}, ["must end before --train.max_steps"]),
         ({"data__seq_warmup_lengths": [128], "data__seq_warmup_steps": [1], "parallel__pipeline": 2}, ["pipeline"]),
         (

@@ -156,6 +156,12 @@ def _rope_problems(m: ModelConfig) -> list[str]:
             f"--model.rope_original_max_len={original}: the context trained at must be within [1, "
             f"--model.max_seq_len={m.max_seq_len}]"
         )
+    elif m.rope_scaling == "yarn" and original and not math.isclose(original * m.rope_factor, m.max_seq_len):
+        problems.append(  # transformers 4.x takes yarn's factor as max_position_embeddings / the original context
+            f"--model.rope_original_max_len={original} x --model.rope_factor={m.rope_factor} must equal "
+            f"--model.max_seq_len={m.max_seq_len} with yarn, so that an export loads as the same function in every "
+            "transformers version (4.x reads the factor as their ratio); drop --model.rope_original_max_len"
+        )
     head_dim = m.d_model // m.n_head if m.n_head > 0 else 0
     if m.rope_scaling == "ntk" and 0 < head_dim <= 2:
         problems.append(
@@ -212,7 +218,8 @@ def seq_warmup_problems(cfg: RootConfig) -> list[str]:
     d, par = cfg.data, cfg.parallel
     lengths, steps, flag = list(d.seq_warmup_lengths), list(d.seq_warmup_steps), "--data.seq_warmup_lengths"
     if not lengths and not steps:
-        return []
+        mode = d.seq_warmup_mode
+        return [f"--data.seq_warmup_mode={mode} has no effect without {flag}"] if mode != "tokens" else []
     problems = []
     if len(lengths) != len(steps):
         problems.append(
@@ -268,6 +275,11 @@ def _train_problems(t: TrainConfig) -> list[str]:
     if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
         problems.append(f"--train.warmup_steps={t.warmup_steps}: must be within [0, --train.max_steps={t.max_steps}]")
     problems += _schedule_problems(t)
+    if t.optimizer != "muon":  # Muon's flags would silently do nothing with another optimizer
+        ignored = [f for f in ("muon_lr", "muon_momentum") if getattr(t, f) != getattr(TrainConfig(), f)]
+        problems += [
+            f"--train.{f} has no effect without --train.optimizer muon (this run's is {t.optimizer})" for f in ignored
+        ]
     if t.lr_scaling != "none" and (t.reference_batch is None or t.reference_batch <= 0):
         problems.append(f"--train.lr_scaling={t.lr_scaling} needs a positive --train.reference_batch")
     if not t.ds_config:

@@ -85,9 +85,10 @@ def config_differences(saved: dict, cfg: RootConfig) -> list[str]:
             if name in RESUME_MAY_CHANGE or (name in CONTEXT_KEYS and cfg.checkpoint.allow_context_change):
                 continue
             before = old[key] if key in old else defaults[section].get(key)
-            if before != values.get(key):
+            now = values.get(key, defaults[section].get(key))  # a key recorded only when set is at its default
+            if before != now:
                 hint = " (a context change: --checkpoint.allow_context_change true)" if name in CONTEXT_KEYS else ""
-                out.append(f"--{name}: checkpoint {before!r}, this run {values.get(key)!r}{hint}")
+                out.append(f"--{name}: checkpoint {before!r}, this run {now!r}{hint}")
     return out
 
 

@@ -29,7 +29,7 @@ from megagenome.train import integrity, universal  # universal: a DeepSpeed seam
 from megagenome.train.integrity import MARKER, SaveError, verify
 from megagenome.train.integrity import agree_on_resume as agree_on_resume  # re-exported: part of this interface
 
-INFO = "client_state.json"  # step, samples_consumed, config_hash, format and the layout that wrote the checkpoint
+INFO = "client_state.json"  # step, samples_consumed, config_hash, train_optimizer, format and the writing layout
 UNIVERSAL_ROOT = "checkpoints_universal"  # convert-checkpoint's default output, beside <run dir>/checkpoints
 _TAG = re.compile(r"^step_(\d+)$")
 _ZERO_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -24,10 +24,11 @@ update). Throughput is timed from one sync point to the next, evaluation and che
 
 Accounting (one row per logging window, metrics.py for the FLOP formulas): seq_len is the window length in force (a
 warmup's, data/curriculum.py, which the token counts and FLOPs follow); tokens counts every position of every window
-trained (padding and N included) and is cumulative; window_tokens is that count for the window and window_real_tokens
-the positions that carry loss (loss_weight > 0: not N, not packing separators, for mlm only the selected positions),
-counted on the CPU batches by TokenCounter. tokens_per_s is global; tflops_per_gpu and mfu use the model FLOPs
-(6N + 6*L*d*s per token for clm, causal attention at half as Megatron-LM counts it; 6N + 12*L*d*s for mlm),
+trained (padding and N included) and is cumulative (LoopPlan.tokens_at: a resumed run adds its steps at their lengths to
+the count its checkpoint saved: steps before a context change keep theirs); window_tokens is that count for the window
+and window_real_tokens the positions that carry loss (loss_weight > 0: not N, not packing separators, for mlm only the
+selected positions), counted on the CPU batches by TokenCounter. tokens_per_s is global; tflops_per_gpu and mfu use the
+model FLOPs (6N + 6*L*d*s per token for clm, causal attention at half as Megatron-LM counts it; 6N + 12*L*d*s for mlm),
 hw_tflops_per_gpu and hfu the hardware FLOPs (plus what activation checkpointing recomputes); tflops_per_gpu_full_attn,
 mfu_full_attn and hfu_full_attn count every attention score (PaLM); peak_tflops and peak_source say what the ratios
 divide by. mem_peak_bytes is rank 0's peak, mem_peak_bytes_max the largest over ranks. The loss, the real-token count
@@ -89,6 +90,13 @@ class LoopPlan:
     # stage's length (the attention term grows with it), which a warmup needs.
     curriculum: Curriculum | None = None
     flops_at: Callable[[int], tuple[float, float, float, float]] | None = None
+    tokens_at_start: int | None = None  # the resumed checkpoint's saved count (None: from step 0 at these lengths)
+
+    def tokens_at(self, step: int) -> int:
+        """Cumulative tokens after `step` steps: tokens_at_start plus the steps since start_step at their lengths."""
+        c, b = self.curriculum or Curriculum(self.seq_len), self.global_batch
+        start = c.tokens_before(self.start_step, b) if self.tokens_at_start is None else self.tokens_at_start
+        return start + c.tokens_before(step, b) - c.tokens_before(self.start_step, b)
 
     def flop_counts(self, length: int) -> tuple[float, float, float, float]:
         """(model, model full-attention, hardware, hardware full-attention) FLOPs per token at window `length`."""
@@ -309,14 +317,8 @@ def fit(
 def _progress_bar(plan: LoopPlan, progress: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(
-        total=plan.max_steps,
-        initial=plan.start_step,
-        desc="pretrain",
-        unit="step",
-        dynamic_ncols=True,
-        disable=not (progress and plan.rank == 0),
-    )
+    shown = dict(desc="pretrain", unit="step", dynamic_ncols=True, disable=not (progress and plan.rank == 0))
+    return tqdm(total=plan.max_steps, initial=plan.start_step, **shown)
 
 
 def _after_step(plan: LoopPlan, done: int, halt: Stop | None, run_eval, save_checkpoint, writer, bar) -> dict | None:
@@ -377,7 +379,7 @@ def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tok
     grad_norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
     return {
         "step": done,
-        "tokens": c.tokens_before(done, batch),
+        "tokens": plan.tokens_at(done),
         "seq_len": c.stage_at(done - 1).length,
         "loss": loss_sum * plan.loss_shards / (window.steps * plan.world_size),
         "lr": float(engine.get_lr()[0]),
@@ -417,9 +419,7 @@ class Preempted(TrainingStopped):
 
     def __init__(self, message: str, step: int, exit_code: int = PREEMPTED_EXIT, saved: bool = True):
         super().__init__(message)
-        self.step = step
-        self.exit_code = exit_code
-        self.saved = saved
+        self.step, self.exit_code, self.saved = step, exit_code, saved
 
 
 def _step_or_stop(train_step: StepFn, engine, step: int, save_checkpoint: Callable[[int], None]):

@@ -146,6 +146,15 @@ def _tensors_of(obj, attr: str = "", depth: int = 0, seen: set | None = None):
         yield from _tensors_of(value, name, depth + 1, seen)
 
 
+def replica_state_bytes_per_parameter(ranks: list[dict], stage: int, dp_size: int) -> float:
+    """Optimizer-state bytes one data-parallel replica set holds, over the parameters it holds: 8 for fp32 AdamW at
+    every ZeRO stage, less for adafactor/muon/adam8bit. ranks: every rank's model_state_bytes plus its "parameters".
+    At ZeRO-0 each of the dp replicas holds all states (their sum / dp); at ZeRO 1-3 the dp ranks partition one
+    replica's states (their sum). A replica set's parameters: every rank's over dp (model parallelism splits them)."""
+    states = sum(r["optimizer_states"] for r in ranks) / (dp_size if stage == 0 else 1)
+    return states / max(1.0, sum(r["parameters"] for r in ranks) / dp_size)
+
+
 def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_size: int, ds_config: dict):
     """A StepFn on_gradients callback (train/loop.py): at step index `at_step`, gather every rank's model-state
     bytes (model_state_bytes) and have rank 0 write them to `path`, next to the ZeRO paper's formula
@@ -154,7 +163,7 @@ def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_s
     def probe(step: int) -> None:
         if step != at_step:
             return
-        ranks = ds.all_gather_object(model_state_bytes(engine))
+        ranks = ds.all_gather_object({**model_state_bytes(engine), "parameters": n_params})
         if rank != 0:
             return
         stage = dsc.zero_stage(ds_config)
@@ -167,8 +176,7 @@ def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_s
             "precision": dsc.weights_dtype(ds_config),
             "grad_accum_dtype": ds_config.get("data_types", {}).get("grad_accum_dtype"),
             "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
-            # all ranks' optimizer states over the model's parameters: 8 for AdamW, less for adafactor/muon/adam8bit
-            "optimizer_state_bytes_per_parameter": sum(r["optimizer_states"] for r in ranks) / max(1, n_params),
+            "optimizer_state_bytes_per_parameter": replica_state_bytes_per_parameter(ranks, stage, dp_size),
             "formula_bytes_per_rank": zero_model_state_bytes(n_params, stage, dp_size),
             "ranks": ranks,
         }

@@ -3,12 +3,21 @@
     optimizer  GPU                                   CPU                                   state bytes / parameter
     adamw      torch AdamW (fused) or DeepSpeed's    torch AdamW                           8 (fp32 m, v)
                FusedAdam / DeepSpeedCPUAdam (offload)
-    lamb       DeepSpeed's "Lamb" (FusedLamb)        Lamb below (a client optimizer)       8 (fp32 m, v)
+    lamb       DeepSpeed's "Lamb" (FusedLamb); in    Lamb below (a client optimizer)       8 (fp32 m, v)
+               bf16 the client Lamb below
     adafactor  torch.optim.Adafactor ("Adafactor" entry, DeepSpeed builds it from torch)   4 (r + c) per r x c matrix
     muon       DeepSpeed's "Muon" (MuonWithAuxAdam): Muon on the 2-D hidden matrices,     4 on Muon matrices (momentum),
                AdamW on embedding, head and norms (Keller Jordan et al. 2024's split)     8 on the AdamW half
     adam8bit   bitsandbytes AdamW8bit (client)       torchao AdamW8bit (client, AdamW8bit  ~2 + 8/256 (block scales) on
                                                      below)                                tensors >= 4096 elements
+                                                                                           (torchao: numel % 256 == 0)
+
+FusedLamb in bf16: DeepSpeed wraps it in FP16_UnfusedOptimizer (fused_lamb_legacy), which hands it the bf16
+gradients, and its CUDA kernel dispatches only fp16/fp32/fp64 gradients; the client Lamb (same update, same
+[0.01, 10] trust-ratio clamp) runs there instead, stepping the wrapper's fp32 masters.
+torchao's 8-bit states: only tensors of >= 4096 elements whose size is a multiple of 256 are quantized. Under ZeRO
+1-2 the optimizer sees flat partitions (padded only to a multiple of 2 x dp), so a partition whose size is not a
+multiple of 256 keeps fp32 moments (8 B/param); memory.json counts the states that really exist.
 
 Refusals (`problems`, called by assembly.validate before launch), each with DeepSpeed 0.19.8's reason:
 - lamb, adafactor under ZeRO 1-3 or DeepSpeed's BF16_Optimizer (ZeRO-1 + bf16 + fp32 accumulation; bf16 pipeline
@@ -46,13 +55,25 @@ class Lamb(torch.optim.Optimizer):
 
     Per tensor (a layer): Adam moments with bias correction, r = m_hat / (sqrt(v_hat) + eps); the update u = r + wd x
     (decoupled weight decay inside the update); the trust ratio ||x|| / ||u|| (1 where either norm is 0, the usual
-    guard); x <- x - lr * ratio * u. State per parameter: exp_avg, exp_avg_sq (fp32), step.
+    guard), clamped to [min_coeff, max_coeff] as DeepSpeed's FusedLamb does (same defaults 0.01 and 10), so a run
+    takes the same steps on CPU and GPU; x <- x - lr * ratio * u. State per parameter: exp_avg, exp_avg_sq (fp32),
+    step.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
-        if lr < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Lamb: invalid lr={lr}, eps={eps} or betas={betas}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        min_coeff: float = 0.01,
+        max_coeff: float = 10.0,
+    ):
+        if lr < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas) or not 0 <= min_coeff <= max_coeff:
+            raise ValueError(f"Lamb: invalid lr={lr}, eps={eps}, betas={betas} or coeffs [{min_coeff}, {max_coeff}]")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, {**defaults, "min_coeff": min_coeff, "max_coeff": max_coeff})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -78,7 +99,8 @@ class Lamb(torch.optim.Optimizer):
                 v_hat = state["exp_avg_sq"] / (1 - beta2**t)
                 update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * x
                 w_norm, u_norm = x.norm(), update.norm()
-                ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                clamped = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
+                ratio = torch.where((w_norm > 0) & (u_norm > 0), clamped, torch.ones_like(w_norm))
                 p.copy_(x - group["lr"] * ratio * update)
         return loss
 
@@ -117,13 +139,14 @@ def _adam_params(train: TrainConfig, lr: float) -> dict:
 
 def ds_entries(ds: dict, train: TrainConfig, lr: float, on_gpu: bool) -> dict:
     """The keys build_ds_config adds for the optimizer: the "optimizer" entry where DeepSpeed builds it (adamw: the
-    same entry as before, adam_choice picking the Adam; lamb on GPU; adafactor; muon), none for a client optimizer
+    same entry as before, adam_choice picking the Adam; lamb on GPU except in bf16, where FusedLamb's kernel takes
+    no bf16 gradients; adafactor; muon), none for a client optimizer
     (client_optimizer), plus zero_allow_untested_optimizer where `problems` lets a client optimizer run under ZeRO."""
     name = train.optimizer
     if name == "adamw":
         params = {**_adam_params(train, lr), **dsc.adam_choice(ds, train.torch_adam, on_gpu)}
         return {"optimizer": {"type": "AdamW", "params": params}}
-    if name == "lamb" and on_gpu:
+    if name == "lamb" and on_gpu and dsc.weights_dtype(ds) != "bf16":
         return {"optimizer": {"type": "Lamb", "params": _adam_params(train, lr)}}
     if name == "adafactor":
         params = {"lr": lr, "weight_decay": train.weight_decay, "eps": [None, 1e-3]}  # torch's default eps

@@ -25,7 +25,8 @@ WarmupCosineLR's).
 Extending a wsd run: the multiplier of a step in the stable phase does not depend on T (for n <= S it is the
 warmup or 1), and a larger T never moves S earlier. So a checkpoint saved at n <= S, resumed with a larger
 --train.max_steps, continues exactly as a run that had the larger budget from the start: the scheduler's state is
-the step count alone, the rest is this pure function of the current config (README, "Extending a WSD run").
+the step count alone, the rest is this pure function of the current config (README, "Extending a WSD run"); reapply
+sets the LRs of that function after a load, where ZeRO restores the checkpoint's.
 
 The scheduler (`StepScheduler`) keeps its state as WarmupCosineLR does ({"last_batch_iteration": n - 1}), so a
 checkpoint written under one schedule resumes under another at the same step.
@@ -190,3 +191,15 @@ class StepScheduler:
         takes effect at once), not from the checkpoint's. A WarmupCosineLR state (a cosine run's) loads too."""
         self.last_batch_iteration = int(state["last_batch_iteration"])
         self._last_lr = self._apply()
+
+
+def reapply(engine) -> None:
+    """Set every parameter group's LR to the schedule's at the loaded step count (assembly.load calls it after each
+    checkpoint load). Under ZeRO 1-3 DeepSpeed loads the optimizer state, whose groups carry the LRs they had when
+    saved, after the scheduler's (engine.load_checkpoint): without this the first update after a resume would run at
+    the checkpoint's LR, not this run's schedule (e.g. a wsd run extended with a larger --train.max_steps). Stepping
+    to the same count re-applies it, for a StepScheduler and DeepSpeed's WarmupCosineLR alike; an unchanged schedule
+    gives the same floats."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
+        scheduler.step(scheduler.last_batch_iteration)
