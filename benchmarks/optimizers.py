@@ -41,7 +41,7 @@ from sweep import _peak, _reset_peak  # noqa: E402  (the peak-RSS reset and read
 TINY = REPO / "configs" / "tiny.yaml"
 DEFAULT_LRS = {
     "adamw": [2e-3, 4e-3],
-    "lamb": [4e-3, 1e-2],
+    "lamb": [5e-3, 2e-2],
     "adafactor": [1e-2, 3e-2],
     "muon": [0.02, 0.05],  # --train.muon_lr (Muon's matrices); the AdamW half at --train.lr 2e-3
     "adam8bit": [2e-3, 4e-3],
