@@ -59,6 +59,12 @@ def throughput(run_dir: pathlib.Path) -> float:
     return statistics.median(r["tokens_per_s"] for r in train[1:])
 
 
+def tokens_per_step(run_dir: pathlib.Path) -> int:
+    """Tokens of one optimizer step, from the last training row (cumulative tokens / step)."""
+    last = [r for r in rows(run_dir) if "split" not in r][-1]
+    return last["tokens"] // last["step"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2, help="CPU ranks")
@@ -102,7 +108,7 @@ def main() -> None:
             speed[name] = {
                 "parameters": summary["parameters"],
                 "tokens_per_s": throughput(run_dir),
-                "tokens_per_step": json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] * 512,
+                "tokens_per_step": tokens_per_step(run_dir),
             }
         full = work / "full"
         launch(
