@@ -34,8 +34,10 @@ setup(
     extras_require={
         # flash-attn compiles against the local CUDA toolkit; install it on GPU machines only.
         "gpu": ["flash-attn==2.8.3.post2"],
-        # transformers: the export test loads the exported directory with AutoModelForCausalLM/AutoTokenizer.
-        "dev": ["pytest==9.2.0", "ruff==0.17.6", "transformers==5.24.0"],
+        # Everything a test imports, so that `pytest` runs every test on CPU (tests/test_readme.py checks it):
+        # transformers (exports loaded with AutoModelForCausalLM/AutoTokenizer, the README's generate example, the
+        # peers' Llama) and wandb (--log.wandb's offline files). Only bitsandbytes' CUDA client is left to GPUs.
+        "dev": ["pytest==9.2.0", "ruff==0.17.6", "transformers==5.24.0", "wandb==0.31.0"],
         # Weights & Biases logging (--log.wandb); optional, imported only when asked for.
         "wandb": ["wandb==0.31.0"],
         # transformers and accelerate are the Hugging Face Trainer peer of benchmarks/peers.py; the package imports

@@ -74,6 +74,10 @@ parse_launch_flags() {
   python -m megagenome hostfile --check "$hostfile" >/dev/null || die "--hostfile=$hostfile: not launching (see above)"
 }
 
+# route_console: launch/route.sh
+# shellcheck source=route.sh
+source "$(dirname "${BASH_SOURCE[0]}")/route.sh"
+
 # The number of hosts in the (already checked) hostfile: its lines that are not blank or a comment.
 hostfile_hosts() {
   grep -cvE '^[[:space:]]*(#|$)' "$hostfile"

@@ -9,6 +9,10 @@
 # --checkpoint.grace_s, exit code 143 (130 for Ctrl-C); the checkpoint signal (SIGUSR1) checkpoints and exits 75; no
 # process of the launch outlives it; --train.max_restarts N restarts a failed run from its newest complete
 # checkpoint up to N times (<run dir>/restarts.jsonl). Exit codes: megagenome/train/stopping.py.
+#
+# The console shows megagenome's lines, errors and the DeepSpeed warnings that matter; the launcher's other lines go
+# to <run dir>/logs/launcher.log, each rank's DeepSpeed log and warnings to <run dir>/logs/rank<N>.log
+# (megagenome/console.py).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
@@ -17,7 +21,11 @@ if [ "$ngpu" -gt 0 ]; then
   nproc=$ngpu
 else
   nproc=${NPROC:-2}
+  export DS_ACCELERATOR=cpu # what DeepSpeed would pick, without its "unable to detect" warning in every process
 fi
+# stdout through the router (launch/route.sh): it ignores the signals the supervisor handles, ends with the launch
+# shellcheck source=route.sh
+source launch/route.sh
 port=${MASTER_PORT:-$((29500 + $(printf '%s' "$*" | cksum | cut -d' ' -f1) % 1000))}
 exec python -m megagenome.supervise -- \
-  deepspeed --num_gpus "$nproc" --master_port "$port" --module megagenome pretrain "$@"
+  deepspeed --num_gpus "$nproc" --master_port "$port" --module megagenome pretrain "$@" > >(route_console "$@")

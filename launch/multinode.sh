@@ -58,4 +58,4 @@ cmd=(deepspeed --hostfile "$hostfile" --master_port "$master_port")
 [ "$no_ssh_check" = 1 ] && cmd+=(--no_ssh_check)
 cmd+=(--module megagenome pretrain "${pretrain_args[@]}")
 echo "$prog: ${cmd[*]}" >&2
-exec python -m megagenome.supervise -- "${cmd[@]}"
+exec python -m megagenome.supervise -- "${cmd[@]}" > >(route_console "${pretrain_args[@]}")

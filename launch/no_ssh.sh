@@ -48,4 +48,4 @@ cmd=(deepspeed --no_ssh --node_rank "$node_rank" --hostfile "$hostfile"
 [ -n "$exclude" ] && cmd+=(--exclude "$exclude")
 cmd+=(--module megagenome pretrain "${pretrain_args[@]}")
 echo "$prog: ${cmd[*]}" >&2
-exec python -m megagenome.supervise -- "${cmd[@]}"
+exec python -m megagenome.supervise -- "${cmd[@]}" > >(route_console "${pretrain_args[@]}")

@@ -28,6 +28,7 @@ from megagenome.config import ConfigError, RootConfig, config_differences, confi
 from megagenome.config import validate as validate_config
 from megagenome.config.load import load_config, locate
 from megagenome.data import fingerprint as data_fingerprint
+from megagenome.data import quick_checks
 from megagenome.data.dataset import GenomeData, build_genome_data, build_prepared_data
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import DNATransformer
@@ -78,6 +79,8 @@ def validate(
     if data and layout is not None and not any(p.startswith("--data.") for p in problems):
         genome, data_problems = _data(cfg, layout)
         problems += data_problems
+    elif data:  # the data stage cannot run: the quick checks of its files, reported with the rest (not next time)
+        problems += locate(quick_checks.data_problems(cfg.data), config_files)
     fingerprint = _fingerprint(cfg, problems) if data and genome is not None else None
     resume = resume_checks.resolve(cfg, layout, checkpoint_root(cfg), fingerprint)
     problems += resume.problems

@@ -17,13 +17,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from argparse import ArgumentError
 from typing import Literal
 
 from jsonargparse import ArgumentParser
 
 from megagenome import cli_after
 from megagenome.config import ConfigError, RootConfig
-from megagenome.config.load import add_run_config, config_files, load_manifest, root_config, run_config_parser
+from megagenome.config.load import (
+    add_run_config,
+    argument_problems,
+    config_files,
+    load_manifest,
+    problem_report,
+    root_config,
+    run_config_parser,
+    strict,
+    value_problems,
+)
 
 
 def pretrain_parser() -> ArgumentParser:
@@ -258,7 +269,38 @@ def build_parser() -> ArgumentParser:
         "deepspeed-env", deepspeed_env_parser(), help="Write .deepspeed_env for DeepSpeed's multi-node launchers."
     )
     cli_after.add_commands(sub)
-    return parser
+    for command in subcommands(parser).values():
+        strict(command)
+    return strict(parser)
+
+
+def subcommands(parser: ArgumentParser) -> dict[str, ArgumentParser]:
+    """Command name -> its parser, of build_parser()'s parser."""
+    return dict(parser._subcommands_action._name_parser_map)
+
+
+def parse(parser: ArgumentParser, argv: list[str]) -> tuple[list[str], object]:
+    """(problems, namespace) of `megagenome ARGV`: every problem of the flags and YAML files at once, each with where
+    it came from (config/load.py argument_problems, then each value jsonargparse refuses), and no namespace; or no
+    problem and the parsed namespace. --help and --print_config still print and exit (SystemExit 0)."""
+    command = subcommands(parser).get(argv[0]) if argv else None
+    if command is not None:
+        problems = argument_problems(command, argv[1:])
+        if problems:
+            return problems, None
+    try:
+        return [], parser.parse_args(argv)
+    except ArgumentError as e:
+        problems = value_problems(command, argv[1:]) if command is not None else []
+        return problems or [" ".join(str(e).split())], None
+
+
+def report_problems(parser: ArgumentParser, argv: list[str], problems: list[str]) -> None:
+    """The problems of a command line on stderr (config/load.py problem_report), once per node: on local rank 0 of a
+    launcher's ranks, which all parse the same arguments (a file missing on one node is reported by that node)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        prog = f"megagenome {argv[0]}" if argv and argv[0] in subcommands(parser) else "megagenome"
+        print(problem_report(prog, problems), file=sys.stderr)
 
 
 def _strip_launcher_args(argv: list[str]) -> list[str]:
@@ -280,10 +322,13 @@ def _strip_launcher_args(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    problems, ns = parse(parser, argv)
+    if problems:
+        report_problems(parser, argv, problems)
+        return 2
     if ns.command == "pretrain":
         sub_ns = ns.pretrain
-        files = config_files(sub_ns)
+        files = config_files(sub_ns, argv[1:])
         root = root_config(parser.instantiate(ns).pretrain)
         from megagenome import pretrain
         from megagenome.train.loop import TrainingStopped
@@ -306,11 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "prepare":
         return run_prepare(ns.prepare)
     if ns.command == "preflight":
-        return run_preflight(ns.preflight, root_config(parser.instantiate(ns).preflight), config_files(ns.preflight))
+        files = config_files(ns.preflight, argv[1:])
+        return run_preflight(ns.preflight, root_config(parser.instantiate(ns).preflight), files)
     if ns.command == "plan":
         return run_plan(ns.plan, root_config(parser.instantiate(ns).plan))
     if ns.command == "find-micro-batch":
-        return find_micro_batch(ns["find-micro-batch"], root_config(parser.instantiate(ns)["find-micro-batch"]))
+        cfg = root_config(parser.instantiate(ns)["find-micro-batch"])
+        return find_micro_batch(ns["find-micro-batch"], cfg, argv[1:])
     if ns.command == "convert-checkpoint":
         return convert_checkpoint(ns["convert-checkpoint"])
     if ns.command == "hostfile":
@@ -350,12 +397,12 @@ def run_plan(ns, cfg: RootConfig) -> int:
     return plan.run(cfg, cluster, ns.global_batch, ns.precision, ns.grad_accum_dtype, as_json=ns.json)
 
 
-def find_micro_batch(ns, cfg: RootConfig) -> int:
+def find_micro_batch(ns, cfg: RootConfig, argv: list[str] | None = None) -> int:
     from megagenome import tune
 
     return tune.find_micro_batch(
         cfg,
-        config_files(ns),
+        config_files(ns, argv),
         max_micro=ns.max_micro,
         steps=ns.steps,
         memory_budget_gb=ns.memory_budget_gb,

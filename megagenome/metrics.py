@@ -33,6 +33,8 @@ import re
 import time
 from collections.abc import Callable, Sequence
 
+from megagenome.config import ModelConfig, d_ff
+
 CHECKPOINTING = ("none", "full", "every_k", "selective")
 
 
@@ -253,6 +255,36 @@ def hardware_flops_per_token(
     return flops_per_token(n_params, n_layer, d_model, seq_len, causal) + recompute_flops_per_token(
         n_params, n_layer, d_model, seq_len, checkpointing, block_params, causal=causal, **recompute
     )
+
+
+def run_flops(
+    model: ModelConfig, n_params: int, block_params: int, seq_len: int, early_stop: bool, pipeline_segments: bool
+) -> tuple[float, float, float, float]:
+    """The FLOPs per token of a run of `model` at seq_len, as the loop's plan takes them: model FLOPs in the
+    objective's convention (clm: causal attention at half, the headline; mlm computes every score) and with every
+    score counted, then hardware FLOPs (the checkpointing policy's recomputation added) in the same two conventions.
+    early_stop: torch's checkpoint (stops recomputing early), not DeepSpeed's; pipeline_segments: pipeline stages
+    checkpoint their segments (recompute_flops_per_token)."""
+    causal = model.objective == "clm"
+
+    def hardware(causal: bool) -> float:
+        return hardware_flops_per_token(
+            n_params,
+            model.n_layer,
+            model.d_model,
+            seq_len,
+            model.checkpointing,
+            block_params,
+            causal=causal,
+            d_ff=d_ff(model),
+            checkpoint_every=model.checkpoint_every,
+            early_stop=early_stop,
+            dropout=model.dropout,
+            pipeline_segments=pipeline_segments,
+        )
+
+    flops = [flops_per_token(n_params, model.n_layer, model.d_model, seq_len, c) for c in (causal, False)]
+    return flops[0], flops[1], hardware(causal), hardware(False)
 
 
 def zero_model_state_bytes(n_params: int, zero_stage: int, dp_size: int) -> float:

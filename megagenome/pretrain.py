@@ -4,7 +4,9 @@ The run is assembled in named stages (assembly.py does the first ones, which eva
 
     layout + data   assembly.validate      every check that can fail (config, DeepSpeed JSON, layout, FASTA, resume
                                            target) before any process group starts, all problems at once
-    ranks           assembly.start_ranks   the process group and the parallel groups
+    ranks           assembly.start_ranks   the process group and the parallel groups; then the run directory's
+                                           lock and this rank's log (console.py: <run dir>/logs/rank<N>.log)
+    finished?       summary.finished_rerun a rerun with nothing left to train prints the finished run's summary
     model + engine  assembly.assemble      this rank's model (shard, stage) inside the DeepSpeed engine
     records         _write_records         config.yaml, ds_config.json, env.json, split.json in the run directory
     resume          _resume                the checkpoint to continue from, if any
@@ -23,18 +25,12 @@ from dataclasses import replace
 
 import torch
 
-from megagenome import assembly, dashboards, resume_checks, summary
+from megagenome import assembly, console, dashboards, resume_checks, summary
 from megagenome.assembly import Run, Validated
-from megagenome.config import ConfigError, RootConfig, config_hash, d_ff, resume_record, signal_number, to_dict
+from megagenome.config import ConfigError, RootConfig, config_hash, resume_record, signal_number, to_dict
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import GenomeData
-from megagenome.metrics import (
-    MetricsWriter,
-    flops_per_token,
-    hardware_flops_per_token,
-    measure_matmul_tflops,
-    resolve_peak,
-)
+from megagenome.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak, run_flops
 from megagenome.model import attention_summary
 from megagenome.parallel import pipeline, tensor_parallel
 from megagenome.parallel.sequence import shard_batch
@@ -98,35 +94,49 @@ def _watchable(name: str | None) -> bool:
 def _run(cfg: RootConfig, config_files: list[str], keep_process_group: bool, stop: StopRequest | None) -> dict:
     started = time.time()
     validated = assembly.validate(cfg, config_files, int(os.environ.get("WORLD_SIZE", "1")))
-    data, lock = validated.data, None
+    data, lock, logs = validated.data, None, None
     try:
         ranks = assembly.start_ranks(validated.cfg, validated.layout)
         lock = _lock_run_dir(validated.cfg, ranks.rank)
+        logs = console.RankLogs(validated.cfg.log.run_dir, ranks.rank, ds.deepspeed_logger())
         validated = _agree_on_resume(validated, cfg, ranks.rank)
-        cfg = validated.cfg  # a data-parallel resize adjusts the accumulation (resume_checks.py)
-        run = assembly.assemble(validated, ranks)
-        _write_records(run, data)
-        peak = _peak(run)
-        start_step, writer, resumed = _resume(run, validated)
-        plan = replace(_loop_plan(run, start_step, peak), tokens_at_start=resumed.get("tokens"))  # None: older
-        result = _fit(run, data, plan, writer, stop, resumed)
-        if cfg.data.prepared:
-            _write_groups(run, data)
-        out = {}
-        if run.ranks.rank == 0:
-            metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
-            result["data_changes"] = validated.resume.data_changes if validated.resume else []
-            out = summary.summarise(cfg, data, metrics, result, run.dense_parameters, time.time() - started)
+        out = summary.finished_rerun(validated.cfg, validated.resume_from, ranks.rank, ds.broadcast_object)
+        if out is None:
+            out = _train(validated, ranks, data, stop, logs, started)
     except TrainingStopped:  # every rank stopped after the same step, its checkpoint saved: tear down as at the end
         data.close()
         _tear_down(keep_process_group)
         raise
     finally:
+        if logs is not None:
+            logs.close()
         if lock is not None:
             lock.release()
     data.close()
     _tear_down(keep_process_group)
     return out
+
+
+def _train(validated: Validated, ranks, data: GenomeData, stop, logs: console.RankLogs, started: float) -> dict:
+    """The run once the checkpoint to resume from is agreed: model + engine, records, resume, fit, summary. Returns
+    the summary (rank 0; {} on the others). What DeepSpeed prints while building the engine or loading a checkpoint
+    goes to this rank's log."""
+    cfg = validated.cfg  # a data-parallel resize adjusts the accumulation (resume_checks.py)
+    with logs.quiet():
+        run = assembly.assemble(validated, ranks)
+    _write_records(run, data)
+    peak = _peak(run)
+    start_step, writer, resumed = _resume(run, validated, logs.quiet)
+    plan = replace(_loop_plan(run, start_step, peak), tokens_at_start=resumed.get("tokens"))  # None: older
+    result = _fit(run, data, plan, writer, stop, resumed)
+    if cfg.data.prepared:
+        _write_groups(run, data)
+    if ranks.rank != 0:
+        return {}
+    metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
+    result["data_changes"] = validated.resume.data_changes if validated.resume else []
+    wall = time.time() - started
+    return summary.summarise(cfg, data, metrics, result, run.dense_parameters, wall, first_step=start_step)
 
 
 def _lock_run_dir(cfg: RootConfig, rank: int):
@@ -220,10 +230,10 @@ def _write_records(run: Run, data: GenomeData) -> None:
     ds.barrier()
 
 
-def _resume(run: Run, validated: Validated) -> tuple[int, MetricsWriter, dict]:
-    """The resume stage: load --checkpoint.resume's checkpoint if there is one; the metrics writer, its rows after
-    the resumed step dropped. Returns (the step training starts after, the writer, the checkpoint's client state:
-    {} for a fresh start)."""
+def _resume(run: Run, validated: Validated, quiet) -> tuple[int, MetricsWriter, dict]:
+    """The resume stage: load --checkpoint.resume's checkpoint if there is one (inside quiet(): DeepSpeed's prints
+    to the rank's log); the metrics writer, its rows after the resumed step dropped. Returns (the step training
+    starts after, the writer, the checkpoint's client state: {} for a fresh start)."""
     cfg, rank = run.cfg, run.ranks.rank
     sinks = dashboards.for_run(cfg.log, to_dict(cfg), rank)  # TensorBoard, W&B: every row, closed by _fit
     writer = MetricsWriter(os.path.join(cfg.log.run_dir, "metrics.jsonl"), enabled=rank == 0, sinks=sinks)
@@ -231,7 +241,8 @@ def _resume(run: Run, validated: Validated) -> tuple[int, MetricsWriter, dict]:
     if path is None:
         return 0, writer, {}
     same = checkpoint.rng_applies(path, run.layout.record())  # per-rank RNG states: only the same layout's
-    client = assembly.load(run, path, restore_rng=same)
+    with quiet():
+        client = assembly.load(run, path, restore_rng=same)
     start_step = int(client["step"])
     if not same:  # fresh dropout streams, distinct from those of steps 1..start_step and per data-parallel rank
         torch.manual_seed(cfg.train.seed + 1000 * (rank // run.layout.tensor) + 1_000_003 * start_step)
@@ -371,26 +382,12 @@ def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
     """The runtime facts the loop needs, FLOP counts and the peak they are divided by (and its source) included."""
     cfg, layout, state, m = run.cfg, run.layout, run.ranks.state, run.cfg.model
     seq = cfg.data.seq_len
-    causal = m.objective == "clm"  # the headline counts causal attention at half (Megatron-LM); mlm computes all
+    segments = layout.pipeline > 1 and cfg.parallel.pipeline_checkpoint_interval > 0
 
-    flops = lambda causal, seq: flops_per_token(run.dense_parameters, m.n_layer, m.d_model, seq, causal)  # noqa: E731
+    def counts(seq: int) -> tuple[float, float, float, float]:  # torch's checkpoint stops early, DeepSpeed's not
+        return run_flops(m, run.dense_parameters, run.block_parameters, seq, run.checkpoint_fn is None, segments)
 
-    def hw_flops(causal: bool, seq: int = seq) -> float:
-        return hardware_flops_per_token(
-            run.dense_parameters,
-            m.n_layer,
-            m.d_model,
-            seq,
-            m.checkpointing,
-            run.block_parameters,
-            causal=causal,
-            d_ff=d_ff(m),
-            checkpoint_every=m.checkpoint_every,
-            early_stop=run.checkpoint_fn is None,  # torch's checkpoint stops early; DeepSpeed's reruns everything
-            dropout=m.dropout,
-            pipeline_segments=layout.pipeline > 1 and cfg.parallel.pipeline_checkpoint_interval > 0,
-        )
-
+    flops, flops_full, hw_flops, hw_flops_full = counts(seq)
     return LoopPlan(
         start_step=start_step,
         max_steps=cfg.train.max_steps,
@@ -400,20 +397,20 @@ def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
         log_interval=cfg.train.log_interval,
         eval_interval=cfg.train.eval_interval,
         ckpt_interval=cfg.checkpoint.interval,
-        flops_per_token=flops(causal, seq),
-        flops_per_token_full_attn=flops(False, seq),
+        flops_per_token=flops,
+        flops_per_token_full_attn=flops_full,
         peak_tflops=peak[0],
         world_size=run.ranks.world_size,
         rank=run.ranks.rank,
         loss_shards=layout.sequence // run.sp_loss_factor,  # scaled chunk losses already average to the whole loss
         stop_signal=cfg.checkpoint.signal,
-        hw_flops_per_token=hw_flops(causal),
-        hw_flops_per_token_full_attn=hw_flops(causal=False),
+        hw_flops_per_token=hw_flops,
+        hw_flops_per_token_full_attn=hw_flops_full,
         peak_source=peak[1],
         # Tensor-parallel ranks and pipeline stages past the first see the tokens of the same samples again.
         counts_tokens=state.get_tensor_model_parallel_rank() == 0 and state.get_pipeline_model_parallel_rank() == 0,
         curriculum=Curriculum.from_config(cfg.data),
-        flops_at=lambda s: (flops(causal, s), flops(False, s), hw_flops(causal, s), hw_flops(False, s)),
+        flops_at=counts,
     )
 
 
@@ -429,9 +426,8 @@ def _peak(run: Run) -> tuple[float, str]:
         device.type,
     )
     if run.ranks.rank == 0:
-        print(f"megagenome: peak {peak:,.3g} TFLOP/s per device for MFU/HFU ({source})", flush=True)
-        model = run.cfg.model
-        print(f"megagenome: {attention_summary(model.attention, device, dtype, model.dropout)}", flush=True)
+        attention = attention_summary(run.cfg.model.attention, device, dtype, run.cfg.model.dropout)
+        print(f"megagenome: {attention}; peak {peak:,.3g} TFLOP/s per device for MFU/HFU ({source})", flush=True)
     return peak, source
 
 

@@ -1,11 +1,16 @@
 """The summary that closes a run (layer L4): held-out bits per base next to Markov baselines fitted on the
-training split, throughput, MFU/HFU, memory and wall time, printed and saved as <run dir>/summary.json."""
+training split, throughput, MFU/HFU, memory and wall time, printed and saved as <run dir>/summary.json.
+
+wall_s is the time of the invocation that wrote it (first_step: the step it started after, 0 for a fresh start); a
+rerun of a run that has nothing left to train leaves summary.json as it is and prints it as the finished run's
+(`stored`, `print_finished`), rather than pairing the rerun's few seconds with the original throughput.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import os
-import sys
 
 import numpy as np
 
@@ -14,10 +19,14 @@ from megagenome.data.dataset import GenomeData
 from megagenome.data.markov import markov_bits_per_base
 from megagenome.metrics import read_metrics
 from megagenome.record import write_json
+from megagenome.train import checkpoint
 
 
-def summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict, n_params: int, wall_s: float) -> dict:
-    """Held-out bits/base next to Markov baselines, throughput and wall time; printed and saved."""
+def summarise(
+    cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict, n_params: int, wall_s: float, first_step=0
+) -> dict:
+    """Held-out bits/base next to Markov baselines, throughput and wall time (of this invocation, which started after
+    step first_step); printed and saved."""
     rows = read_metrics(metrics_path)
     train_rows = [r for r in rows if "split" not in r]
     eval_rows = [r for r in rows if r.get("split") == "val"]
@@ -63,6 +72,7 @@ def summarise(cfg: RootConfig, data: GenomeData, metrics_path: str, result: dict
         "real_token_fraction": sum(real) / padded if padded and real and None not in real else None,
         "mem_peak_bytes_max": max((r.get("mem_peak_bytes_max") or 0 for r in train_rows), default=None),
         "wall_s": wall_s,
+        "first_step": first_step,  # the step this invocation started after: wall_s covers the steps since
         # train/divergence.py: the run's bad steps (every invocation's event rows) and what was done about them
         "bad_steps": _bad_steps([r for r in rows if r.get("split") == "event"]),
         "data_changes": result.get("data_changes") or [],  # resumed with --checkpoint.allow_data_change
@@ -81,47 +91,100 @@ def _bad_steps(events: list[dict]) -> dict:
     return out
 
 
-def print_summary(s: dict) -> None:
-    out = sys.stdout
-    print("\n== megagenome pretrain summary ==", file=out)
-    print(f"run dir            {s['run_dir']}", file=out)
-    print(f"parameters         {s['parameters']:,}", file=out)
-    print(f"steps              {s['steps']}", file=out)
-    print(f"train loss         {s['train_loss']:.4f} nats/token" if s["train_loss"] is not None else "", file=out)
-    model_bpb = s["heldout_bits_per_base"]
-    shown = "not evaluated yet" if model_bpb is None else f"{model_bpb:.4f}"
-    print(f"held-out bits/base {shown}  (model)", file=out)
-    for k, v in s["markov_bits_per_base"].items():
-        mark = "  <- best baseline" if int(k) == s["best_markov_order"] else ""
-        print(f"                   {v:.4f}  order-{k} Markov{mark}", file=out)
-    verdict = "below" if s["beats_best_markov"] else "not yet below"
-    strands = {"both": " (chains fitted on both strands of the training split)", "forward": ""}
+def finished_rerun(cfg: RootConfig, resume_from: str | None, rank: int, broadcast) -> dict | None:
+    """A rerun of a run with nothing left to train (the checkpoint it resumes from is at --train.stop_at, else
+    --train.max_steps) builds nothing and rewrites nothing: rank 0 prints the finished run's summary.json as
+    recorded. Returns it ({} on the other ranks), or None to run as usual: something to train, or no summary of that
+    step to show (the run then writes one, saying that this invocation trained no steps). broadcast: rank 0's
+    object to every rank (train/engine.py broadcast_object), so that all ranks take the same way."""
+    if resume_from is None:
+        return None
+    step = checkpoint.read_info(resume_from).get("step")
+    step = int(step) if step is not None else checkpoint.tag_step(os.path.basename(resume_from))
+    if step < (cfg.train.stop_at or cfg.train.max_steps):
+        return None
+    found = stored(cfg.log.run_dir, step) if rank == 0 else None
+    if not broadcast(found is not None):
+        return None
+    if rank == 0:
+        print_finished(found)
+    return found or {}
+
+
+def stored(run_dir: str, step: int) -> dict | None:
+    """The summary.json in run_dir when it is that of a run finished at `step`, else None."""
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+            found = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("steps") == step else None
+
+
+def print_finished(s: dict) -> None:
+    """A finished run's summary, said to be that: what a rerun with nothing left to train prints."""
     print(
-        f"                   model is {verdict} the best Markov baseline{strands.get(s.get('markov_strands'), '')}",
-        file=out,
+        f"megagenome: {s['run_dir']} already finished at step {s['steps']}: nothing to train; its summary as "
+        "recorded (summary.json, unchanged):",
+        flush=True,
     )
-    if s["tokens_per_s_median"] is not None:
-        print(f"tokens/s           {s['tokens_per_s_median']:,.0f} (median over logged intervals, all ranks)", file=out)
-    if s.get("mfu_median") is not None:
-        print(
-            f"MFU                {100 * s['mfu_median']:.2f}%  (HFU {100 * s['hfu_median']:.2f}%; "
-            f"{s['tflops_per_gpu_median']:.3g} TFLOP/s per device of {s['peak_tflops']:.3g}, {s['peak_source']})",
-            file=out,
-        )
-        if s.get("mfu_full_attn_median") is not None and s["mfu_full_attn_median"] != s["mfu_median"]:
-            print(
-                f"                   causal attention counted at half (Megatron-LM); "
-                f"{100 * s['mfu_full_attn_median']:.2f}% counting every score (PaLM)",
-                file=out,
-            )
+    print_summary(s)
+
+
+def _wall(s: dict) -> str:
+    first, steps = s.get("first_step") or 0, s["steps"]
+    if not first:
+        return f"{s['wall_s']:.1f} s"
+    if first >= steps:
+        return f"{s['wall_s']:.1f} s (this invocation trained no steps; the run's time was not recorded)"
+    return f"{s['wall_s']:.1f} s (this invocation: steps {first + 1}-{steps}, resumed at step {first})"
+
+
+def print_summary(s: dict) -> None:
+    """The summary as the console shows it: nine lines for a run without bad steps or data changes (the console of
+    the default job stays within ~15 lines besides the progress bar, tests/test_console.py)."""
+    lines = ["", f"== megagenome pretrain summary: {s['run_dir']} =="]
+    trained = f"{s['steps']} steps of {s['parameters']:,} parameters"
+    if s["train_loss"] is not None:
+        trained += f"; train loss {s['train_loss']:.4f} nats/token"
     if s.get("real_token_fraction") is not None:
-        print(f"real tokens        {100 * s['real_token_fraction']:.2f}% of positions carry loss", file=out)
+        trained += f"; {100 * s['real_token_fraction']:.2f}% of positions carry loss"
+    lines.append(f"training           {trained}")
+    lines += _heldout(s)
+    if s["tokens_per_s_median"] is not None:
+        speed = f"{s['tokens_per_s_median']:,.0f} (median over logged intervals, all ranks)"
+        if s.get("tflops_per_gpu_median") is not None:
+            speed += (
+                f"; {s['tflops_per_gpu_median']:.3g} TFLOP/s per device of {s['peak_tflops']:.3g} ({s['peak_source']})"
+            )
+        lines.append(f"tokens/s           {speed}")
+    if s.get("mfu_median") is not None:
+        mfu = f"{100 * s['mfu_median']:.2f}%  (HFU {100 * s['hfu_median']:.2f}%)"
+        full = s.get("mfu_full_attn_median")
+        if full is not None and full != s["mfu_median"]:
+            mfu += f"; causal attention counted at half (Megatron-LM), {100 * full:.2f}% counting every score (PaLM)"
+        lines.append(f"MFU                {mfu}")
     if s.get("mem_peak_bytes_max"):
-        print(f"peak memory        {s['mem_peak_bytes_max'] / 2**30:.2f} GiB (largest rank)", file=out)
+        lines.append(f"peak memory        {s['mem_peak_bytes_max'] / 2**30:.2f} GiB (largest rank)")
     bad = s.get("bad_steps") or {}
     if bad.get("total"):
         done = ", ".join(f"{bad[a]} {a}" for a in ("skip", "rollback", "stop") if bad.get(a))
-        print(f"bad steps          {bad['total']} ({done}; metrics.jsonl rows with split 'event')", file=out)
+        lines.append(f"bad steps          {bad['total']} ({done}; metrics.jsonl rows with split 'event')")
     if s.get("data_changes"):
-        print(f"data changed       {len(s['data_changes'])} difference(s), allowed on resume", file=out)
-    print(f"wall time          {s['wall_s']:.1f} s", file=out, flush=True)
+        lines.append(f"data changed       {len(s['data_changes'])} difference(s), allowed on resume")
+    lines.append(f"wall time          {_wall(s)}")
+    print("\n".join(lines), flush=True)
+
+
+def _heldout(s: dict) -> list[str]:
+    """The held-out line (the model against the best Markov baseline) and the line of every baseline."""
+    model, markov, best = s["heldout_bits_per_base"], s["markov_bits_per_base"], str(s["best_markov_order"])
+    verdict = "below" if s["beats_best_markov"] else "not yet below"
+    shown = "not evaluated yet" if model is None else f"{model:.4f} (model)"
+    strands = {"both": " (fitted on both strands)", "forward": ""}
+    orders = f"order-{min(markov, key=int)}..{max(markov, key=int)}" if len(markov) > 1 else f"order-{best}"
+    return [
+        f"held-out bits/base {shown}: {verdict} the best Markov baseline, order-{best} at {markov[best]:.4f}",
+        f"Markov baselines   {orders}: {' '.join(f'{v:.4f}' for v in markov.values())}"
+        f"{strands.get(s.get('markov_strands'), '')}",
+    ]

@@ -4,7 +4,10 @@ pretrain` so that signals reach every rank, no process outlives it, and a failed
     python -m megagenome.supervise -- deepspeed --num_gpus 8 --module megagenome pretrain --config run.yaml
 
 The launch scripts (launch/local.sh, multinode.sh, no_ssh.sh and the Slurm per-node template) run DeepSpeed's
-launcher under it. COMMAND runs in a session of its own, so a Ctrl-C at the terminal reaches the supervisor only:
+launcher under it. Before it starts COMMAND it checks the pretrain arguments once (launch_problems: the flags, the
+YAML files, the config's own checks, quick checks of the data files; no torch, no DeepSpeed): a refused config is
+printed once and the exit code is 2, with nothing launched. COMMAND runs in a session of its own, so a Ctrl-C at
+the terminal reaches the supervisor only:
 
 - SIGTERM, SIGINT, SIGHUP (as SIGTERM) and the checkpoint signal (--checkpoint.signal) are forwarded to the ranks
   only: the descendants running `megagenome pretrain` (DeepSpeed's launcher and runner are left alone, so that
@@ -81,6 +84,40 @@ def settings_of(command: list[str]) -> Settings:
               "supervising without restarts", file=sys.stderr)  # fmt: skip
         return _defaults(None)
     return Settings(cfg.train.max_restarts, cfg.checkpoint.grace_s, ckpt, cfg.log.run_dir, cfg.checkpoint.resume)
+
+
+def launches_pretrain(command: list[str]) -> bool:
+    """Whether COMMAND runs `megagenome pretrain` (under DeepSpeed's launcher, `--module megagenome pretrain`, or by
+    itself), rather than a command that merely has a `pretrain` argument."""
+    if "pretrain" not in command:
+        return False
+    head = command[: command.index("pretrain")]
+    return any(a == "megagenome" or a.endswith("/megagenome") for a in head)
+
+
+def launch_problems(command: list[str]) -> list[str]:
+    """Every problem of COMMAND's pretrain arguments found before launch (pretrain_problems), so that a refused
+    config is reported once, in about a second, instead of by every rank after DeepSpeed's launcher has started
+    them. The data files are not checked when DeepSpeed's runner starts the ranks on other hosts (--hostfile without
+    --no_ssh): those read their own copies."""
+    head = command[: command.index("pretrain")]
+    remote = any(a.split("=", 1)[0] == "--hostfile" for a in head) and "--no_ssh" not in head
+    return pretrain_problems(_pretrain_args(command[command.index("pretrain") + 1 :]), data=not remote)
+
+
+def pretrain_problems(args: list[str], data: bool = True) -> list[str]:
+    """Every problem of `megagenome pretrain ARGS` found without torch, a process group or DeepSpeed: the flags and
+    YAML files, the config's own checks and (data=True) the quick checks of its data files (data/quick_checks.py),
+    each with where it came from. The ranks check all of it again, with the parallel layout, the DeepSpeed JSON and
+    the whole genome (assembly.validate)."""
+    from megagenome.config import validate
+    from megagenome.config.load import checked_run_config, locate
+    from megagenome.data.quick_checks import data_problems
+
+    problems, cfg, files = checked_run_config(args)
+    if problems:
+        return problems
+    return locate(validate(cfg) + (data_problems(cfg.data) if data else []), files)
 
 
 def _defaults(run_dir: str | None) -> Settings:
@@ -327,6 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: no COMMAND: give it after --, e.g. `python -m {PROG} -- deepspeed --module "
               "megagenome pretrain --config run.yaml`", file=sys.stderr)  # fmt: skip
         return 2
+    if not (ns.print_max_restarts or ns.log_restart) and launches_pretrain(command):
+        problems = launch_problems(command)
+        if problems:
+            from megagenome.config.load import problem_report
+
+            print(problem_report("megagenome pretrain", problems), file=sys.stderr)
+            print(f"{PROG}: nothing launched", file=sys.stderr)
+            return 2
     settings = settings_of(command)
     if ns.max_restarts is not None:
         if ns.max_restarts < 0:

@@ -44,7 +44,9 @@ def test_prepared_data_takes_no_split_flags_and_group_aware_needs_it():
     cfg = valid_config()
     cfg.data.prepared = "prepared/"
     problems = validate(cfg)
-    assert any("give exactly one of --data.fasta" in p for p in problems)  # both given
+    both = [p for p in problems if p.startswith(f"--data.fasta={cfg.data.fasta} and --data.prepared=prepared/")]
+    assert len(both) == 1 and "configs/tiny_prepared.yaml" in both[0]  # both given: the message says the fix
+    assert any("give exactly one of --data.fasta" in p for p in validate(RootConfig()))  # neither
     cfg.data.fasta = ""
     assert any(p.startswith("--data.val_ranges does not apply with --data.prepared") for p in validate(cfg))
     cfg.data.val_ranges = []

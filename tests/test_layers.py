@@ -51,6 +51,7 @@ LAYERS = {
     "trials": 4,
     "plan": 4,
     "summary": 4,
+    "console": 4,
     "cluster/commands": 4,
     "cli": 5,
     "cli_after": 5,

@@ -98,7 +98,7 @@ def test_two_nodes_without_ssh_form_one_world(job):
     codes = run_all(cmds, tmp, environ, logs)
     check_one_world_of_two(tmp, run_dir, codes, logs)
     for rank, log in enumerate(logs):
-        text = log.read_text()
+        text = log.read_text() + (run_dir / "logs" / "launcher.log").read_text()  # DeepSpeed's INFO lines: the log
         assert f"nnodes=2, num_local_procs=1, node_rank={rank}" in text
         assert "'node-a': [0], 'node-b': [1]" in text  # global ranks: one per node
     assert not (tmp / ".deepspeed_env").exists()  # --no_ssh: DeepSpeed would not read it, so none is written
@@ -136,7 +136,7 @@ def test_multinode_pdsh_launch_carries_deepspeed_env_to_every_rank(job):
         assert got["MG_TEST_EXPORTED"] == "reached every rank", (rank, got)
         assert got["NCCL_DEBUG"] == "WARN" and got["OMP_NUM_THREADS"] == "1", (rank, got)
         assert got["MG_TEST_NOT_EXPORTED"] is None, f"rank {rank} was not isolated like a remote node: {got}"
-    text = logs[0].read_text()
+    text = logs[0].read_text() + (run_dir / "logs" / "launcher.log").read_text()  # DeepSpeed's INFO lines: the log
     assert "pdsh -S -f 1024 -w node-a,node-b -R exec" in text  # DeepSpeed's pdsh backend built the command
     assert "node-a:" in text and "node-b:" in text  # pdsh prefixes each host's output
 

@@ -186,7 +186,13 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
             problems.append(f"--{flag}={value}: must be non-negative")
     if d.max_n_run < 0:
         problems.append(f"--data.max_n_run={d.max_n_run}: must be non-negative")
-    if bool(d.fasta) == bool(d.prepared):
+    if d.fasta and d.prepared:
+        problems.append(
+            f"--data.fasta={d.fasta} and --data.prepared={d.prepared}: give one of them (prepared data replaces the "
+            "FASTA, and its held-out split is the manifest's): use configs/tiny_prepared.yaml, or add "
+            '--data.fasta "" --data.val_ranges "[]" to a config that sets them'
+        )
+    elif not d.fasta and not d.prepared:
         problems.append(
             "give exactly one of --data.fasta (a FASTA file to train on) and --data.prepared (a directory written "
             "by `megagenome prepare`)"
@@ -205,7 +211,7 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     if d.prepared and split_flags:
         problems.append(
             f"--data.{split_flags[0]} does not apply with --data.prepared: the held-out split of prepared data is "
-            "set per source in the prepare manifest"
+            f'set per source in the prepare manifest; clear it with --data.{split_flags[0]} "[]"'
         )
     if d.fasta and not (d.val_contigs or d.val_ranges):
         problems.append("--data.val_contigs or --data.val_ranges must name the held-out data used for evaluation")

@@ -148,6 +148,14 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def deepspeed_logger():
+    """DeepSpeed's logger ("DeepSpeed"; its handler writes to stdout), imported so that the handler exists: what
+    console.RankLogs routes to the rank's log."""
+    from deepspeed.utils.logging import logger
+
+    return logger
+
+
 def init_distributed() -> tuple[int, int, int]:
     """Start the default process group (one process works too); returns (rank, local_rank, world_size)."""
     import deepspeed

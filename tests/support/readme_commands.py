@@ -1,0 +1,258 @@
+"""The README's command blocks as steps a test can run on CPU (tests/test_readme.py, run by support/readme_runner.py).
+
+Every fenced ```bash block is split into commands (a line and its `\\` continuation lines, comments dropped) and every
+```python block is one command. Each command is mapped by the first rule of RULES that takes it; a command no rule
+takes is returned as unmapped, with its README line, and the test fails on it. The rules (each says why):
+
+- install: `python3 -m venv .venv && .venv/bin/pip install -q torch==X -e SPEC && REST`, the fresh-machine commands.
+  CI itself runs them from nothing (.ci/run): the install part must be .ci/run's and pin setup.py's torch; REST is
+  mapped by the other rules, except `.venv/bin/python -m pytest` (the suite cannot run inside itself), which must be
+  verbatim in .ci/run. A `NAME=value` prefix is the user's environment: the test's PATH already has .venv/bin first.
+- the default job: the first `bash launch/local.sh` line trains for real through the deepspeed launcher (2 CPU
+  ranks) with CPU_STEPS appended (appended flags win); the after-training blocks use its run directory.
+- launchers that need GPUs or other machines (every other local.sh line, `deepspeed --num_gpus N`/`--hostfile H
+  --module megagenome pretrain`, launch/multinode.sh, launch/no_ssh.sh, sbatch): `megagenome pretrain ARGS
+  --dry_run` at the launch's world size (N, the hostfile's slots, nodes x gpus-per-node), which validates the flags,
+  the config, the DeepSpeed JSON, the layout, the data and a resume target, and prints the merged DeepSpeed dict.
+  The scripts' hostfile is checked with `megagenome hostfile --check`, an sbatch template must exist.
+- `deepspeed ... --module megagenome eval|preflight ARGS`: the same command in one process (a world of one; 2 ranks
+  give one process's numbers, tested in tests/test_evaluate.py and tests/test_preflight.py).
+- `megagenome pretrain` / `python -m megagenome pretrain` (one process): trains for real with CPU_STEPS appended
+  (and `--train.stop_at 1` where it sets a stop); with an explicit `--checkpoint.resume PATH` it is a --dry_run in a
+  world of one (validated against that checkpoint; continuing runs is tested in tests/test_schedules.py and
+  tests/test_context_extension.py). `--help`, `--print_config` and `--dry_run` lines run as written.
+- every other `megagenome` / `python -m megagenome` command runs as written (in one runner process: the function
+  the console script calls); score-variants gets SCORE_WINDOW appended. The first `megagenome` line runs through
+  the console script itself, which shows it is on PATH.
+- `tensorboard --logdir D`: `tensorboard --inspect --logdir D`, which reads the same event files and exits (the
+  server would not).
+- a ```python block runs as written, in the clone's directory.
+
+A checkpoint path `runs/R/checkpoints/step_XXXXXXXX` that the README's long run would have written is replaced, when
+the command runs, by the newest checkpoint of the test's short run R (support/readme_runner.py).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+# Appended to every real training command: a few CPU steps (the README's runs are hundreds of steps).
+CPU_STEPS = ["--train.max_steps", "2", "--train.warmup_steps", "0", "--data.eval_windows", "2"]
+# Appended to score-variants: 64-base windows (the default is the training window, 512), 8x fewer tokens on CPU, in
+# forward passes of 512 windows (the default 16 makes 3,893 variants ~500 passes of per-call overhead).
+SCORE_WINDOW = ["--window", "64", "--batch_size", "512"]
+FENCE = re.compile(r"^```(\w*)\s*$")
+ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+INSTALL = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install -q torch==(\S+) -e (\S+) && (.+)$")
+PYTEST = ".venv/bin/python -m pytest"
+
+
+@dataclass
+class Command:
+    line: int  # README line the command starts on
+    lang: str  # "bash" or "python"
+    text: str  # continuation lines joined; a python block's whole code
+
+
+@dataclass
+class Step:
+    line: int
+    rule: str
+    kind: str  # "cli" (megagenome argv in the runner), "shell" (a subprocess), "python", "exists", "ci"
+    argv: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)  # WORLD_SIZE for dry runs, or "hostfile:PATH" to count its slots
+    code: str = ""
+    expect: str = ""  # a string the output must contain
+
+
+def commands(readme: str) -> list[Command]:
+    """Every command of the README's ```bash and ```python blocks, in order."""
+    lines = readme.split("\n")
+    out: list[Command] = []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while not lines[j].startswith("```"):
+            j += 1
+        body = lines[i + 1 : j]
+        if m.group(1) == "python":
+            out.append(Command(i + 2, "python", "\n".join(body)))
+        elif m.group(1) == "bash":
+            out.extend(_bash_commands(body, first_line=i + 2))
+        i = j + 1
+    return out
+
+
+def _bash_commands(body: list[str], first_line: int) -> list[Command]:
+    out, k = [], 0
+    while k < len(body):
+        start, parts = k, [body[k]]
+        while parts[-1].rstrip().endswith("\\") and k + 1 < len(body):
+            parts[-1] = parts[-1].rstrip()[:-1]
+            k += 1
+            parts.append(body[k])
+        k += 1
+        text = " ".join(p.strip() for p in parts)
+        if shlex.split(text, comments=True):
+            out.append(Command(first_line + start, "bash", text))
+    return out
+
+
+def _strip_comment(text: str) -> str:
+    """The command without its trailing comment: from the first `#` outside quotes that starts a word."""
+    quote = None
+    for k, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (k == 0 or text[k - 1].isspace()):
+            return text[:k].strip()
+    return text.strip()
+
+
+class Mapper:
+    """Maps commands to steps in README order; remembers what the rules need (the default job seen, the first
+    `megagenome` line)."""
+
+    def __init__(self, ci_script: str, torch_pin: str):
+        self.ci_script, self.torch_pin = ci_script, torch_pin
+        self.default_job_seen = False
+        self.console_script_used = False
+
+    def steps(self, cmd: Command) -> list[Step] | None:
+        """The steps for one command, None when no rule takes it."""
+        if cmd.lang == "python":
+            return [Step(cmd.line, "python block", "python", code=cmd.text)]
+        text = _strip_comment(cmd.text)
+        m = INSTALL.match(text)
+        if m:
+            return self._install(cmd, text, *m.groups())
+        argv = shlex.split(text)
+        env = {}
+        while argv and ASSIGNMENT.match(argv[0]):
+            name, _, value = argv.pop(0).partition("=")
+            env[name] = value
+        for rule in (self._local, self._scripts, self._sbatch, self._deepspeed, self._megagenome, self._tensorboard):
+            steps = rule(cmd.line, argv, env)
+            if steps is not None:
+                return steps
+        return None
+
+    def _install(self, cmd: Command, text: str, torch: str, spec: str, rest: str) -> list[Step] | None:
+        problems = []
+        if torch != self.torch_pin:
+            problems.append(f"torch=={torch} but setup.py pins torch=={self.torch_pin}")
+        ci_install = f"python3 -m venv .venv && .venv/bin/pip install -q torch=={torch} -e '.[dev]' && "
+        if spec not in (".", "'.[dev]'") or ci_install not in self.ci_script:
+            problems.append(f"the install (-e {spec}, torch=={torch}) is not .ci/run's but for the dev extra")
+        if rest.strip() == PYTEST:
+            ok = text in self.ci_script
+            problems += [] if ok else [f"{text!r} is not verbatim in .ci/run"]
+            return [Step(cmd.line, "install + pytest: CI's own command", "ci", argv=problems)]
+        inner = self.steps(Command(cmd.line, "bash", rest))
+        if inner is None:
+            return None
+        return [Step(cmd.line, "install: checked against .ci/run", "ci", argv=problems), *inner]
+
+    def _local(self, line: int, argv: list[str], env: dict) -> list[Step] | None:
+        if argv[:2] != ["bash", "launch/local.sh"]:
+            return None
+        if not self.default_job_seen:
+            self.default_job_seen = True
+            return [Step(line, "the default job: real launch, CPU steps", "shell", argv=[*argv, *CPU_STEPS])]
+        return [_dry_run(line, "local.sh: dry run at 2 ranks", argv[2:], "2")]
+
+    def _scripts(self, line: int, argv: list[str], env: dict) -> list[Step] | None:
+        if len(argv) < 2 or argv[0] != "bash" or argv[1] not in ("launch/multinode.sh", "launch/no_ssh.sh"):
+            return None
+        opts, args = _split_dashes(argv[2:])
+        hostfile = _option(opts, "--hostfile")
+        if hostfile is None or args is None:
+            return None
+        check = Step(line, f"{argv[1]}: its hostfile checked", "cli", argv=["hostfile", "--check", hostfile])
+        return [check, _dry_run(line, f"{argv[1]}: dry run at the hostfile's slots", args, f"hostfile:{hostfile}")]
+
+    def _sbatch(self, line: int, argv: list[str], env: dict) -> list[Step] | None:
+        if not argv or argv[0] != "sbatch" or "MEGAGENOME_CONFIG" not in env:
+            return None
+        opts = dict(a[2:].split("=", 1) for a in argv[1:-1] if a.startswith("--") and "=" in a)
+        world = int(opts.get("nodes", 1)) * int(opts.get("gpus-per-node", 1))
+        args = ["--config", env["MEGAGENOME_CONFIG"], *shlex.split(env.get("MEGAGENOME_ARGS", ""))]
+        exists = Step(line, "sbatch: the template exists", "exists", argv=[argv[-1]])
+        return [exists, _dry_run(line, "sbatch: dry run at nodes x gpus-per-node", args, str(world))]
+
+    def _deepspeed(self, line: int, argv: list[str], env: dict) -> list[Step] | None:
+        if not argv or argv[0] != "deepspeed" or "--module" not in argv:
+            return None
+        k = argv.index("--module")
+        if argv[k + 1] != "megagenome" or len(argv) < k + 3:
+            return None
+        command, args = argv[k + 2], argv[k + 3 :]
+        launcher = argv[1:k]
+        gpus, hostfile = _option(launcher, "--num_gpus"), _option(launcher, "--hostfile")
+        world = gpus if gpus else f"hostfile:{hostfile}" if hostfile else None
+        if world is None:
+            return None
+        if command == "pretrain":
+            return [_dry_run(line, "deepspeed pretrain: dry run at its world size", args, world)]
+        if command in ("eval", "preflight"):
+            return [Step(line, f"deepspeed {command}: in one process", "cli", argv=[command, *args])]
+        return None
+
+    def _megagenome(self, line: int, argv: list[str], env: dict) -> list[Step] | None:
+        if argv[:1] == ["megagenome"]:
+            args = argv[1:]
+        elif argv[:3] == ["python", "-m", "megagenome"]:
+            args = argv[3:]
+        else:
+            return None
+        if not args:
+            return None
+        if not self.console_script_used:
+            self.console_script_used = True
+            return [Step(line, "the console script on PATH", "shell", argv=["megagenome", *args])]
+        as_written = {"--help", "--print_config", "--dry_run"} & set(args)
+        if args[0] == "pretrain" and not as_written:
+            resume = _option(args, "--checkpoint.resume")
+            if resume not in (None, "auto", "none"):
+                return [_dry_run(line, "pretrain from a checkpoint: dry run in one process", args[1:], "1")]
+            stop = ["--train.stop_at", "1"] if "--train.stop_at" in args else []
+            return [Step(line, "pretrain: real, CPU steps", "cli", argv=[*args, *CPU_STEPS, *stop])]
+        extra = SCORE_WINDOW if args[0] == "score-variants" else []
+        return [Step(line, f"megagenome {args[0]} as written", "cli", argv=[*args, *extra])]
+
+    def _tensorboard(self, line: int, argv: list[str], env: dict) -> list[Step] | None:
+        if argv[:1] != ["tensorboard"] or _option(argv, "--logdir") is None:
+            return None
+        return [Step(line, "tensorboard --inspect", "shell", argv=["tensorboard", "--inspect", *argv[1:]])]
+
+
+def _dry_run(line: int, rule: str, args: list[str], world: str) -> Step:
+    argv = ["pretrain", *args] + ([] if "--dry_run" in args else ["--dry_run"])
+    expect = "" if world.startswith("hostfile:") else f"# world size {world};"
+    return Step(line, rule, "cli", argv=argv, env={"WORLD_SIZE": world}, expect=expect)
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value after `name` in argv (or of `name=value`), None when absent."""
+    for k, a in enumerate(argv):
+        if a == name and k + 1 < len(argv):
+            return argv[k + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _split_dashes(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(launcher options, megagenome args) of `script OPTS -- ARGS`; None args without `--`."""
+    if "--" not in argv:
+        return argv, None
+    k = argv.index("--")
+    return argv[:k], argv[k + 1 :]
