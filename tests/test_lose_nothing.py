@@ -278,7 +278,8 @@ def test_changed_config_refused_before_anything_is_written(lose):
 def test_changed_data_refused_unless_allowed(lose, tmp_path):
     """Issue item 5: a different genome at the same path resumed silently. Now its SHA-256 is compared with the
     checkpoint's: refused naming both digests (exit 2), accepted with --checkpoint.allow_data_change true, and the
-    change recorded in summary.json."""
+    change recorded in summary.json (two more steps trained on the changed genome: a rerun of the finished run with
+    nothing to train would only print its recorded summary)."""
     src = lose["root"] / "shrink_ref"
     run_dir = tmp_path / "run"
     import shutil
@@ -295,7 +296,9 @@ def test_changed_data_refused_unless_allowed(lose, tmp_path):
     refused = _cli("--config", cfg, "--data.fasta", fasta)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "the training data differs" in refused.stderr and "sha256" in refused.stderr.lower(), refused.stderr[-3000:]
-    allowed = _cli("--config", cfg, "--data.fasta", fasta, "--checkpoint.allow_data_change", "true")
+    allowed = _cli(
+        "--config", cfg, "--data.fasta", fasta, "--checkpoint.allow_data_change", "true", "--train.max_steps", "8"
+    )
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert _summary(run_dir)["data_changes"], _summary(run_dir)
 
