@@ -67,6 +67,7 @@ def collect(run_dir: pathlib.Path) -> dict:
         "best_markov_bits_per_base": summary["markov_bits_per_base"][str(best)],
         "markov_strands": summary.get("markov_strands"),
         "wall_s": summary["wall_s"],
+        "first_step": summary.get("first_step", 0),  # > 0: wall_s is the last invocation's, resumed at that step
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows if "tokens_per_s" in r),
     }
 
@@ -84,10 +85,11 @@ def markdown(results: dict, when: str) -> str:
     ]
     for name, r in results.items():
         load = f"{r['load_before']:.1f} -> {r['load_after']:.1f}" if r.get("ran") else "not recorded"
+        wall = f"{r['wall_s']:.0f}" + (f" (steps {r['first_step'] + 1}-{r['steps']} only)" if r["first_step"] else "")
         lines.append(
             f"| {name} | {r['parameters']:,} | {r['tokens']:,} | {r['heldout_bits_per_base']:.4f} | "
             f"{r['best_markov_bits_per_base']:.4f} ({r['best_markov_order']}, {r['markov_strands'] or 'forward'}) | "
-            f"{r['best_markov_bits_per_base'] - r['heldout_bits_per_base']:+.4f} | {r['wall_s']:.0f} | "
+            f"{r['best_markov_bits_per_base'] - r['heldout_bits_per_base']:+.4f} | {wall} | "
             f"{r['tokens_per_s_median']:,.0f} | {load} |"
         )
     lines += ["", "Eval curves (step, held-out bits/base):", ""]
