@@ -63,6 +63,29 @@ def _open_text(path: str, compression: str) -> IO[bytes]:
     return gzip.open(path, "rb") if compression == "bgzf" else open(path, "rb")
 
 
+def file_problem(path: str) -> str | None:
+    """What is wrong with the file at `path` before its content is read (existence, emptiness, plain gzip, a
+    compression its name does not say), or None. validate_fasta and data/quick_checks.py both start here."""
+    if not os.path.exists(path):
+        return "FASTA file not found"
+    if os.path.isdir(path):
+        return "is a directory, not a FASTA file"
+    if os.path.getsize(path) == 0:
+        return "file is empty"
+    compression = _compression(path)
+    if compression == "gzip":
+        return (
+            "plain gzip cannot be read at random offsets; recompress with `bgzip` (htslib) or decompress with `gunzip`"
+        )
+    # pyfaidx picks its reader from the file name, not the content, so the two must agree.
+    compressed_name = path.lower().endswith(_COMPRESSED_SUFFIXES)
+    if compression == "bgzf" and not compressed_name:
+        return "file is BGZF-compressed but its name does not end in .gz or .bgz; rename it"
+    if compression == "none" and compressed_name:
+        return "file name ends in .gz/.bgz but the file is not compressed; rename it"
+    return None
+
+
 def validate_fasta(path: str) -> None:
     """Raise FastaError for the first problem in the file; return None for a FASTA that pyfaidx reads correctly.
 
@@ -71,24 +94,10 @@ def validate_fasta(path: str) -> None:
     faidx layout (every line of a record but the last has the same length; at most one blank line, only at
     the end of a record).
     """
-    if not os.path.exists(path):
-        raise FastaError(f"{path}: FASTA file not found")
-    if os.path.isdir(path):
-        raise FastaError(f"{path}: is a directory, not a FASTA file")
-    if os.path.getsize(path) == 0:
-        raise FastaError(f"{path}: file is empty")
+    problem = file_problem(path)
+    if problem is not None:
+        raise FastaError(f"{path}: {problem}")
     compression = _compression(path)
-    if compression == "gzip":
-        raise FastaError(
-            f"{path}: plain gzip cannot be read at random offsets; recompress with `bgzip` (htslib) "
-            f"or decompress with `gunzip`"
-        )
-    # pyfaidx picks its reader from the file name, not the content, so the two must agree.
-    compressed_name = path.lower().endswith(_COMPRESSED_SUFFIXES)
-    if compression == "bgzf" and not compressed_name:
-        raise FastaError(f"{path}: file is BGZF-compressed but its name does not end in .gz or .bgz; rename it")
-    if compression == "none" and compressed_name:
-        raise FastaError(f"{path}: file name ends in .gz/.bgz but the file is not compressed; rename it")
     try:
         with _open_text(path, compression) as fh:
             _scan(path, fh)

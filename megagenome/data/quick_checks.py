@@ -10,11 +10,10 @@ data/prepared.py read_index check the same files in full when the data stage run
 
 from __future__ import annotations
 
-import os
 import zlib
 
 from megagenome.config import DataConfig
-from megagenome.data.fasta import _COMPRESSED_SUFFIXES, _compression, _open_text
+from megagenome.data.fasta import _compression, _open_text, file_problem
 from megagenome.data.prepared import read_index
 
 _HEAD_BYTES = 1 << 16
@@ -34,21 +33,10 @@ def data_problems(d: DataConfig) -> list[str]:
 
 def fasta_problems(path: str) -> list[str]:
     """What is wrong with the FASTA at `path` that its first 64 KiB tell (module docstring); [] when nothing."""
-    if not os.path.exists(path):
-        return ["FASTA file not found"]
-    if os.path.isdir(path):
-        return ["is a directory, not a FASTA file"]
-    if os.path.getsize(path) == 0:
-        return ["file is empty"]
+    problem = file_problem(path)
+    if problem is not None:
+        return [problem]
     compression = _compression(path)
-    if compression == "gzip":
-        return ["plain gzip cannot be read at random offsets; recompress with `bgzip` (htslib) or decompress with "
-                "`gunzip`"]  # fmt: skip
-    named = path.lower().endswith(_COMPRESSED_SUFFIXES)
-    if compression == "bgzf" and not named:
-        return ["file is BGZF-compressed but its name does not end in .gz or .bgz; rename it"]
-    if compression == "none" and named:
-        return ["file name ends in .gz/.bgz but the file is not compressed; rename it"]
     try:
         with _open_text(path, compression) as fh:
             head = fh.read(_HEAD_BYTES)
