@@ -274,18 +274,21 @@ def test_a_run_config_that_fails_validation_leaves_the_fasta_folder_unchanged(tm
     assert cached(cache) == ["phiX174_NC_001422.1.fna.fai", "phiX174_NC_001422.1.fna.fai.lock"]
 
 
-def test_every_base_that_starts_a_bgzf_block_is_read():
+def test_every_base_that_starts_a_bgzf_block_is_read(tmp_path):
     """pyfaidx 0.9.2.2 refuses a BGZF read that starts at the first base of a block (within-block offset 65536):
     a training window there crashed a 4,000-step run of configs/cpu_1h.yaml at step ~3,400. Every block start of the
-    bundled E. coli genome (from its .gzi and .fai), read as a 5-base window, equals those bases of the whole contig."""
+    bundled E. coli genome (from its .gzi and .fai, built here in tmp_path: a fresh clone has none), read as a
+    5-base window, equals those bases of the whole contig."""
     import struct
 
     from support.helpers import REPO
 
     path = REPO / "examples" / "data" / "ecoli_K12_MG1655_NC_000913.2.fa.bgz"
-    name, length, offset, line_bases, line_width = open(f"{path}.fai").readline().split("\t")[:5]
+    Genome(str(path), index_dir=str(tmp_path)).close()
+    index = tmp_path / path.name
+    name, length, offset, line_bases, line_width = open(f"{index}.fai").readline().split("\t")[:5]
     length, offset, line_bases, line_width = int(length), int(offset), int(line_bases), int(line_width)
-    gzi = open(f"{path}.gzi", "rb").read()
+    gzi = open(f"{index}.gzi", "rb").read()
     blocks = struct.unpack("<Q", gzi[:8])[0]
     starts = [struct.unpack("<Q", gzi[16 + 16 * i : 24 + 16 * i])[0] for i in range(blocks)]  # uncompressed offsets
     positions = []
@@ -294,7 +297,7 @@ def test_every_base_that_starts_a_bgzf_block_is_read():
         if u >= offset and col < line_bases and line * line_bases + col + 5 <= length:
             positions.append(line * line_bases + col)
     assert len(positions) > 60  # 69 of the 71 block starts are bases
-    with Genome(str(path)) as genome:
+    with Genome(str(path), index_dir=str(tmp_path)) as genome:
         whole = genome.read_contig(name)
         for pos in positions:
             assert genome.fetch(name, pos, pos + 5) == whole[pos : pos + 5], pos
