@@ -80,3 +80,34 @@ def trained(tmp_path_factory):
 
 
 # ----- end of after-training block -------------------------------------------------------------------------------
+
+
+# ----- DeepSpeed's async_io op (tests/test_nvme_offload.py; support/op_build.py) ----------------------------------
+
+_AIO_BUILD: list = []
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: started only when the test will run
+def pytest_collection_modifyitems(config, items):
+    """Start the async_io op's JIT build in the background, at nice 19, when the NVMe test is among the collected
+    tests: its ~5-minute compile then uses the idle CPU of the tests before it instead of the suite's wall time."""
+    if not any(item.nodeid.startswith("tests/test_nvme_offload.py") for item in items):
+        return
+    from support.op_build import BackgroundBuild, aio_ready
+
+    if aio_ready():
+        _AIO_BUILD.append(BackgroundBuild(pathlib.Path(tempfile.mkdtemp(prefix="megagenome-aio-")) / "build.log"))
+
+
+@pytest.fixture(scope="session")
+def aio_build():
+    """The background build of the async_io op (None when none was started)."""
+    return _AIO_BUILD[0] if _AIO_BUILD else None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for build in _AIO_BUILD:
+        build.stop()
+
+
+# ----- end of async_io block -------------------------------------------------------------------------------------

@@ -1,26 +1,25 @@
 """Tier 2: ZeRO-Infinity (stage 3, parameters and optimizer states offloaded to NVMe) for real on CPU.
 
 Needs DeepSpeed's async_io op, which builds where libaio is installed (CI installs libaio-dev); the
-first use compiles it (minutes, cached in TORCH_EXTENSIONS_DIR afterwards). Without libaio the test is
-skipped and validation gives the error tested in tests/test_cli.py.
+first use compiles it (~5 minutes on 2 cores, cached in TORCH_EXTENSIONS_DIR afterwards), which conftest.py starts
+in the background at collection (support/op_build.py), so that here it is usually built already. Without libaio
+the test is skipped and validation gives the error tested in tests/test_cli.py.
 """
 
 import pytest
 from support.helpers import REPO, cli, copy_genome, tiny_config, write_yaml
+from support.op_build import aio_ready
 
 from megagenome.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
 
-def aio_ready() -> bool:
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    return AsyncIOBuilder().is_compatible(verbose=False)
-
-
 @pytest.mark.skipif(not aio_ready(), reason="DeepSpeed's async_io op needs libaio (apt install libaio-dev)")
-def test_nvme_offload_trains_like_cpu_offload(tmp_path):
+def test_nvme_offload_trains_like_cpu_offload(tmp_path, aio_build):
+    if aio_build is not None:  # the op's build started at collection; an error here is the build's, not the run's
+        problem = aio_build.wait(timeout=1200)
+        assert problem is None, problem
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
     losses = {}
     for name, zero in [("nvme", "zero3_nvme.json"), ("cpu", "zero3_offload.json")]:

@@ -1,0 +1,90 @@
+"""DeepSpeed's async_io op, JIT-built in the background while the rest of the suite runs.
+
+tests/test_nvme_offload.py needs the op, and its first build compiles 12 C++ files against torch's headers: about
+5 minutes of a 2-core CI machine, which made it the slowest test of the suite. conftest.py starts this build as
+soon as the test is collected, at the lowest CPU priority (nice 19), so that it takes the cores' idle time between
+and inside the other tests rather than adding to the suite's wall time; the test then waits for it (`wait`).
+
+The build is DeepSpeed's own (AsyncIOBuilder().load(), the same call ZeRO-Infinity makes), into the same
+TORCH_EXTENSIONS_DIR, so the test's run finds it built and loads it as is. torch serialises builds of one op with a
+lock file in its build directory: a build stopped early (pytest -x, Ctrl-C) is killed with its compilers and that
+lock is removed (for both ops it builds), or every later load of the op would wait on it forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+from support.helpers import env
+
+BUILD = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+
+
+def aio_ready() -> bool:
+    """Whether the async_io op can build here (libaio installed)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
+
+
+# What AsyncIOBuilder().load() builds on the CPU accelerator: DeepSpeed's pin_memory op first, then async_io.
+OPS = ("pin_memory", "async_io")
+
+
+def _build_dir(op: str) -> pathlib.Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return pathlib.Path(_get_build_directory(op, verbose=False))
+
+
+class BackgroundBuild:
+    """One `nice -n 19` process building the op; its output goes to `log`."""
+
+    def __init__(self, log: pathlib.Path):
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                ["nice", "-n", "19", sys.executable, "-c", BUILD],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env(),
+                start_new_session=True,  # a session of its own: stop() finds ninja's compilers by it
+            )
+
+    def wait(self, timeout: float) -> str | None:
+        """None once the op is built, else what went wrong (with the build's last output)."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"the background build of async_io did not finish within {timeout:.0f} s"
+        if rc != 0:
+            return f"the background build of async_io exited {rc}:\n{self.log.read_text()[-3000:]}"
+        return None
+
+    def stop(self) -> None:
+        """Kill an unfinished build, every process of its session (ninja starts each compiler in a process group of
+        its own, so the build's group alone would leave them running), and remove the build locks it leaves."""
+        if self.proc.poll() is not None:
+            return
+        for pid in _session(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+        for op in OPS:
+            with contextlib.suppress(FileNotFoundError):
+                (_build_dir(op) / "lock").unlink()
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session `sid` (Linux /proc: field 6 of /proc/PID/stat, counted after the command's ')')."""
+    pids = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == sid:
+                pids.append(int(stat.parent.name))
+    return pids
