@@ -107,11 +107,10 @@ def parameters(size: str) -> int:
 
 def held_out(fasta: pathlib.Path, seq_len: int) -> list[str]:
     """--data.val_ranges: the end of the first contig, 5% of it but at least two windows (at most half of it)."""
-    import pyfaidx
+    from megagenome.data.fasta import Genome  # indexes in megagenome's cache, never beside the user's FASTA
 
-    with pyfaidx.Fasta(str(fasta)) as fa:
-        name = next(iter(fa.keys()))
-        length = len(fa[name])
+    with Genome(str(fasta)) as genome:
+        name, length = next(iter(genome.lengths.items()))
     size = min(max(length // 20, 2 * (seq_len + 1)), length // 2)
     return [f"{name}:{length - size + 1}-{length}"]
 
