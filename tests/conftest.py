@@ -111,3 +111,21 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # ----- end of async_io block -------------------------------------------------------------------------------------
+
+
+# ----- the README run (tests/test_readme.py, tests/test_console.py; support/readme_run.py) --------------------------
+
+
+@pytest.fixture(scope="session")
+def readme_run(tmp_path_factory):
+    """Every README command run in order in a fresh clone (support/readme_run.ReadmeRun); its default job's launch
+    is the console test's too."""
+    from support.readme_run import run_readme
+
+    run = run_readme(tmp_path_factory.mktemp("readme"))
+    if isinstance(run, str):
+        pytest.fail(run)
+    return run
+
+
+# ----- end of README run block -------------------------------------------------------------------------------------

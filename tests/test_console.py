@@ -6,8 +6,9 @@ FutureWarnings on the progress bar); and rerunning a finished job rewrote summar
 wall time next to the original tokens/s and MFU. Now the console holds megagenome's own lines (at most 15 besides
 the progress bar), the rest is in <run dir>/logs/, and a rerun prints the finished run's summary, unchanged.
 
-One real launch through launch/local.sh (configs/tiny.yaml with a few steps on a small model, 2 CPU ranks) and
-one rerun of it; the routing and summary rules themselves are pure functions, tested without a process group.
+The README's default job, `bash launch/local.sh --config configs/tiny.yaml` (2 CPU ranks, 6 steps), as the README
+run shared with tests/test_readme.py launched it in a fresh clone, and one rerun of it; the routing and summary rules
+themselves are pure functions, tested without a process group.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import warnings
 from dataclasses import replace
 
 import pytest
-from support.helpers import REPO, env, free_port
+from support.helpers import env, free_port
 
 from megagenome import console, summary
 from megagenome.config import RootConfig
@@ -33,15 +34,7 @@ DS_QUIET = (
 )
 DS_WARNING = "[2026-12-02 00:44:05,037] [WARNING] [engine.py:1:f] The checkpoint was written by another version\n"
 DS_ERROR = "[2026-12-02 00:43:40,502] [ERROR] [launch.py:259:sigkill_handler] [...] exits with return code = 2\n"
-STEPS = 6
-# configs/tiny.yaml (the default job) on a smaller model and a few steps: three eval rows and three checkpoints, as
-# the default job has.
-RUN = [
-    "--config", "configs/tiny.yaml", "--model.d_model", "32", "--model.n_layer", "2", "--data.seq_len", "128",
-    "--train.micro_batch_size", "4", "--train.max_steps", str(STEPS), "--train.warmup_steps", "1",
-    "--train.eval_interval", "2", "--train.log_interval", "2", "--checkpoint.interval", "2",
-    "--data.eval_windows", "4",
-]  # fmt: skip
+STEPS = 6  # the README's default job as tests/test_readme.py runs it (support/readme_commands.DEFAULT_JOB_STEPS)
 BAR = re.compile(r"^\s*pretrain:\s+\d+%\|")
 
 
@@ -157,12 +150,6 @@ def test_finished_rerun_needs_the_finished_step_and_its_summary(tmp_path, capsys
     assert summary.finished_rerun(cfg, str(ckpt), 1, lambda x: True) == {}  # another rank: rank 0's answer
 
 
-def _launch(run_dir) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(REPO / "launch" / "local.sh"), *RUN, "--log.run_dir", str(run_dir)]
-    e = dict(env(), MASTER_PORT=str(free_port()), NPROC="2")
-    return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=400)
-
-
 def console_lines(proc: subprocess.CompletedProcess) -> list[str]:
     """The lines a terminal would keep: stdout's, and stderr's without the progress bar's redraws."""
     lines = proc.stdout.splitlines()
@@ -179,13 +166,16 @@ def summary_block(stdout: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """The run and its rerun through launch/local.sh: (run dir, first launch, summary.json after it, rerun)."""
-    run_dir = tmp_path_factory.mktemp("console") / "run"
-    first = _launch(run_dir)
+def launched(readme_run):
+    """The README's default job (`bash launch/local.sh --config configs/tiny.yaml`, 6 steps with 3 evaluations and 3
+    checkpoints, launched by the README run of conftest.py) and a rerun of it: (run dir, launch, its summary.json,
+    rerun)."""
+    first = readme_run.default_job()
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run_dir = readme_run.clone / "runs" / "tiny"
     recorded = (run_dir / "summary.json").read_text()
-    again = _launch(run_dir)
+    e = dict(env(), MASTER_PORT=str(free_port()))
+    again = subprocess.run(first.args, cwd=readme_run.clone, env=e, capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     return run_dir, first, recorded, again
 
@@ -197,7 +187,7 @@ def test_the_default_job_console_is_megagenome_lines_and_the_rest_is_in_logs(lau
     assert len(shown) <= 15, "\n".join(shown)
     assert not [line for line in shown if console.DS_LINE.match(line)], "\n".join(shown)
     out = first.stdout
-    assert f"run dir {run_dir}" in out and "megagenome: attention: " in out
+    assert "run dir runs/tiny" in out and "megagenome: attention: " in out
     assert [f"step {s}: held-out" in out for s in (2, 4, 6)] == [True] * 3
     assert summary_block(out)[-1].startswith("wall time ") and "Warning" not in first.stderr
     launcher = (run_dir / "logs" / "launcher.log").read_text()

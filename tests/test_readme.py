@@ -6,101 +6,42 @@ first on PATH, as for a user who followed the README. support/readme_commands.py
 CPU (its docstring lists the rules and why: the default job launches for real for a few steps, GPU and cluster
 launches are --dry_run at their world size, ...), and support/readme_runner.py runs them in README order in one
 process. A command no rule maps fails here with its README line. One DeepSpeed launch (the default job); the rest in
-one process.
+one process. The run is conftest.py's session fixture `readme_run` (support/readme_run.py), which
+tests/test_console.py shares: the default job's console is checked there.
 
 Also here: the dev extra installs every package a test imports (README: "`pytest` runs everything").
 """
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import json
-import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 import yaml
-from support.helpers import PYTHON, REPO, env, free_port
-from support.readme_commands import Mapper, commands
+from support.helpers import REPO
+from support.readme_commands import DEFAULT_JOB
+from support.readme_run import mapped_steps, setup_requirements
 
-README = (REPO / "README.md").read_text()
 # Imported by tests but needed only where they run: bitsandbytes is the CUDA 8-bit AdamW (tests skip without CUDA).
 GPU_ONLY = {"bitsandbytes"}
-
-
-def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
-    """install_requires and extras_require of setup.py, read without running it."""
-    call = next(n for n in ast.walk(ast.parse((REPO / "setup.py").read_text())) if isinstance(n, ast.Call))
-    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
-    return kw["install_requires"], kw["extras_require"]
-
-
-def mapped_steps() -> tuple[list[dict], list[str]]:
-    """Every README command's steps, and the commands no rule maps ("README.md:LINE: command")."""
-    install, _ = setup_requirements()
-    torch_pin = next(r.split("==")[1] for r in install if r.startswith("torch=="))
-    mapper = Mapper((REPO / ".ci" / "run").read_text(), torch_pin)
-    steps, unmapped = [], []
-    for cmd in commands(README):
-        found = mapper.steps(cmd)
-        if found is None:
-            unmapped.append(f"README.md:{cmd.line}: {cmd.text}")
-        else:
-            steps.extend(vars(s) for s in found)
-    return steps, unmapped
 
 
 def test_every_readme_command_is_mapped_and_the_cluster_launches_are_checked():
     steps, unmapped = mapped_steps()
     assert not unmapped, "README commands no rule of tests/support/readme_commands.py runs:\n" + "\n".join(unmapped)
     rules = {s["rule"] for s in steps}
-    assert "the default job: real launch, CPU steps" in rules and "python block" in rules
+    assert DEFAULT_JOB in rules and "python block" in rules
     assert sum(s["kind"] == "shell" and s["argv"][:2] == ["bash", "launch/local.sh"] for s in steps) == 1
     launches = [s for s in steps if "dry run" in s["rule"]]  # GPU and cluster launches: at their world size
     assert len(launches) >= 10 and all("--dry_run" in s["argv"] and s["env"]["WORLD_SIZE"] for s in launches)
 
 
-def fresh_clone(root: pathlib.Path) -> pathlib.Path:
-    """A directory that looks like a fresh clone: a link to each tracked top-level entry, no runs or outputs."""
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    clone = root / "clone"
-    clone.mkdir()
-    for top in sorted({p.split("/", 1)[0] for p in tracked.splitlines()}):
-        (clone / top).symlink_to(REPO / top)
-    return clone
-
-
-@pytest.fixture(scope="module")
-def readme_run(tmp_path_factory):
-    """Every README command run in order in a fresh clone; (results rows, the clone)."""
-    root = tmp_path_factory.mktemp("readme")
-    clone = fresh_clone(root)
-    steps, unmapped = mapped_steps()
-    if unmapped:
-        pytest.fail("unmapped README commands:\n" + "\n".join(unmapped))
-    for s in steps:  # the default job's launcher gets a free port (another run may hold local.sh's default)
-        if s["kind"] == "shell" and s["argv"][:2] == ["bash", "launch/local.sh"]:
-            s["env"]["MASTER_PORT"] = str(free_port())
-    (root / "steps.json").write_text(json.dumps(steps))
-    results = root / "results.json"
-    proc = subprocess.run(
-        [PYTHON, "-m", "support.readme_runner", str(root / "steps.json"), str(results)],
-        cwd=clone,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    rows = json.loads(results.read_text()) if results.exists() else []
-    return rows, clone, proc, len(steps)
-
-
 @pytest.mark.slow
 def test_every_readme_command_runs_in_a_fresh_clone(readme_run):
-    rows, clone, proc, n = readme_run
+    rows, proc, n = readme_run.rows, readme_run.proc, readme_run.steps
     failed = [r for r in rows if r["rc"] != 0]
     if failed:
         r = failed[0]
@@ -115,9 +56,9 @@ def test_every_readme_command_runs_in_a_fresh_clone(readme_run):
 
 @pytest.mark.slow
 def test_the_readme_commands_leave_what_they_promise(readme_run):
-    rows, clone, _, _ = readme_run
+    rows, clone = readme_run.rows, readme_run.clone
     by_line = {r["line"]: r for r in rows}
-    assert json.loads((clone / "runs" / "tiny" / "summary.json").read_text())["steps"] == 2
+    assert json.loads((clone / "runs" / "tiny" / "summary.json").read_text())["steps"] == 6
     # No example trains into the default job's directory (its checkpoint is 2-rank): each has its own.
     trained = [r for r in rows if r["rule"] == "pretrain: real, CPU steps"]
     assert len(trained) >= 3

@@ -9,7 +9,8 @@ takes is returned as unmapped, with its README line, and the test fails on it. T
   mapped by the other rules, except `.venv/bin/python -m pytest` (the suite cannot run inside itself), which must be
   verbatim in .ci/run. A `NAME=value` prefix is the user's environment: the test's PATH already has .venv/bin first.
 - the default job: the first `bash launch/local.sh` line trains for real through the deepspeed launcher (2 CPU
-  ranks) with CPU_STEPS appended (appended flags win); the after-training blocks use its run directory.
+  ranks) with DEFAULT_JOB_STEPS appended (appended flags win): 6 steps with 3 evaluations and 3 checkpoints, as the
+  real job has in 600 (tests/test_console.py checks its console); the after-training blocks use its run directory.
 - launchers that need GPUs or other machines (every other local.sh line, `deepspeed --num_gpus N`/`--hostfile H
   --module megagenome pretrain`, launch/multinode.sh, launch/no_ssh.sh, sbatch): `megagenome pretrain ARGS
   --dry_run` at the launch's world size (N, the hostfile's slots, nodes x gpus-per-node), which validates the flags,
@@ -40,9 +41,15 @@ from dataclasses import dataclass, field
 
 # Appended to every real training command: a few CPU steps (the README's runs are hundreds of steps).
 CPU_STEPS = ["--train.max_steps", "2", "--train.warmup_steps", "0", "--data.eval_windows", "2"]
+# Appended to the default job: its 600 steps evaluate and checkpoint 3 times; these 6 steps do too.
+DEFAULT_JOB_STEPS = [
+    "--train.max_steps", "6", "--train.warmup_steps", "1", "--train.eval_interval", "2", "--train.log_interval", "2",
+    "--checkpoint.interval", "2", "--data.eval_windows", "2",
+]  # fmt: skip
 # Appended to score-variants: 64-base windows (the default is the training window, 512), 8x fewer tokens on CPU, in
 # forward passes of 512 windows (the default 16 makes 3,893 variants ~500 passes of per-call overhead).
 SCORE_WINDOW = ["--window", "64", "--batch_size", "512"]
+DEFAULT_JOB = "the default job: real launch, CPU steps"
 FENCE = re.compile(r"^```(\w*)\s*$")
 ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 INSTALL = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install -q torch==(\S+) -e (\S+) && (.+)$")
@@ -166,7 +173,7 @@ class Mapper:
             return None
         if not self.default_job_seen:
             self.default_job_seen = True
-            return [Step(line, "the default job: real launch, CPU steps", "shell", argv=[*argv, *CPU_STEPS])]
+            return [Step(line, DEFAULT_JOB, "shell", argv=[*argv, *DEFAULT_JOB_STEPS])]
         return [_dry_run(line, "local.sh: dry run at 2 ranks", argv[2:], "2")]
 
     def _scripts(self, line: int, argv: list[str], env: dict) -> list[Step] | None:

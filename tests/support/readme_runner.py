@@ -4,7 +4,8 @@ directory is a fresh clone's (tests/test_readme.py): `python -m support.readme_r
 `megagenome` commands run in this process as `python -m megagenome` would (runpy: the function the console script
 calls), so torch and deepspeed are imported once instead of once per command; each gets a fresh environment
 (WORLD_SIZE for a dry run) and its stdout and stderr captured at the file descriptors, so DeepSpeed's and tqdm's
-lines are caught too. Shell steps (the default job's launch, the console script, tensorboard) are subprocesses. The
+lines are caught too. Shell steps (the default job's launch, the console script, tensorboard) are subprocesses, their
+stdout and stderr kept apart in step<NN>.out and step<NN>.err and joined (stderr last) in step<NN>.log. The
 runner stops at the first step that fails; RESULTS_JSON has one row per step run: README line, rule, the argv as
 run, exit status, seconds, the output's tail.
 """
@@ -93,9 +94,14 @@ def run_step(step: dict, log_path: str) -> tuple[int, list[str], list[str]]:
         with open(log_path, "w") as fh:
             fh.write(f"{argv[0]}: {'exists' if os.path.isfile(argv[0]) else 'missing'}\n")
         return (0 if os.path.isfile(argv[0]) else 1), argv, notes
-    if kind == "shell":
-        with open(log_path, "wb") as fh:
-            proc = subprocess.run(argv, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT, timeout=900)
+    if kind == "shell":  # stdout and stderr apart (tests/test_console.py reads the default job's), stderr after
+        base = log_path[: -len(".log")]
+        with open(f"{base}.out", "wb") as out, open(f"{base}.err", "wb") as err:
+            proc = subprocess.run(argv, env={**os.environ, **env}, stdout=out, stderr=err, timeout=900)
+        with open(log_path, "wb") as log:
+            for part in (f"{base}.out", f"{base}.err"):
+                with open(part, "rb") as fh:
+                    log.write(fh.read())
         return proc.returncode, argv, notes
     saved_env, saved_argv = dict(os.environ), list(sys.argv)
     os.environ.update(env)
