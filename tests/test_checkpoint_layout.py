@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from support.helpers import REPO, cli, copy_genome, final_ds_config, tiny_config, write_yaml
+from support.helpers import REPO, cli_here, copy_genome, final_ds_config, tiny_config, write_yaml
 from support.helpers import run_config as parse
 
 from megagenome.assembly import validate
@@ -108,13 +108,14 @@ def test_rng_states_are_restored_only_under_the_layout_that_saved_them(tmp_path)
 
 
 def test_converting_an_incomplete_checkpoint_fails_clearly(tmp_path):
-    """Through the real CLI: a step_* directory without COMPLETE, and a run directory holding only such a one."""
+    """Through the CLI (cli.main, in this process): a step_* directory without COMPLETE, and a run directory
+    holding only such a one."""
     run_dir = tmp_path / "run"
     tag = run_dir / "checkpoints" / "step_00000003"
     tag.mkdir(parents=True)
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"half-written")
     for target, expected in [(tag, "has no COMPLETE marker"), (run_dir, "no complete checkpoint there")]:
-        proc = cli("convert-checkpoint", "--checkpoint", str(target))
+        proc = cli_here("convert-checkpoint", "--checkpoint", str(target))
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith("megagenome convert-checkpoint: error:"), proc.stderr

@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from support.helpers import REPO, cli, copy_genome, tiny_config
+from support.helpers import REPO, cli_here, copy_genome, tiny_config
 from support.runs import run_worker
 from support.saved import param_storages, saved_bytes
 
@@ -246,7 +246,7 @@ PLAN = ["plan", "--config", "configs/dna_125m.yaml", "--gpus", "8", "--gpu_memor
 
 
 def test_cli_prints_tables_recommendation_and_scaling():
-    out = cli(*PLAN)
+    out = cli_here(*PLAN)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "Per-GPU memory (GiB)" in text and "recommendation: ZeRO-" in text and "--train.ds_config" in text
@@ -257,7 +257,7 @@ def test_cli_prints_tables_recommendation_and_scaling():
 
 
 def test_cli_json():
-    out = cli(*PLAN, "--json", "--gpus", "16", "--inter_node_gbps", "50")
+    out = cli_here(*PLAN, "--json", "--gpus", "16", "--inter_node_gbps", "50")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["cluster"]["gpus"] == 16 and plan["cluster"]["inter_node_gbps"] == 50
@@ -285,7 +285,7 @@ def test_cli_json():
     ],
 )
 def test_cli_bad_flags_exit_2_naming_the_flag(flags, named):
-    out = cli(*PLAN, *flags)
+    out = cli_here(*PLAN, *flags)
     assert out.returncode == 2
     assert named in out.stderr, out.stderr
 

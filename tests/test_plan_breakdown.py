@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.helpers import REPO, cli
+from support.helpers import REPO, cli_here
 
 from megagenome import plan
 from megagenome.config.load import config_from_args
@@ -115,7 +115,7 @@ PLAN += ["--gpu_memory_gb", "141", "--model.d_ff", "5632"]
 
 
 def test_cli_shows_the_breakdown_in_text_and_json(monkeypatch):
-    out = cli(*PLAN)
+    out = cli_here(*PLAN)
     assert out.returncode == 0, out.stderr
     assert "Predicted step time of your config by kind of work" in out.stdout and "MFU causal" in out.stdout
     monkeypatch.chdir(REPO)  # the JSON in process: what `--json` prints is json.dumps(plan.build(...))

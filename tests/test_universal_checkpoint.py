@@ -24,7 +24,8 @@ checkpoint without --checkpoint.universal is refused; a ZeRO-0 checkpoint (no pa
 1 rank as is (1.8e-7 / 7.5e-9 from the uninterrupted run), and convert-checkpoint says so.
 
 Workers: support/worker.py through support.runs.run_worker: 2 ranks (the launcher), then every
-conversion through the real CLI, then 1 rank, then 2 ranks again (the same-layout resumptions).
+conversion through the CLI (cli.main in this process; DeepSpeed's converter is its child), then 1 rank, then
+2 ranks again (the same-layout resumptions).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import pathlib
 
 import pytest
 import torch
-from support.helpers import cli, copy_genome, write_yaml
+from support.helpers import cli, cli_here, copy_genome, write_yaml
 from support.runs import STEPS, STOP, Runs, ds, max_abs_diff, run_worker, scenario
 
 pytestmark = pytest.mark.slow
@@ -122,7 +123,7 @@ class Pipeline:
             self.sources[name] = src
             self.digests[name] = tree_digest(src) if src.exists() else {}
             # The run directory, not the tag: the newest complete checkpoint there is converted.
-            self.converted[name] = cli("convert-checkpoint", "--checkpoint", str(root / name), "--workers", "1")
+            self.converted[name] = cli_here("convert-checkpoint", "--checkpoint", str(root / name), "--workers", "1")
         self.one = run_worker(root, one_rank_scenarios(root, fasta), 1)
         self.one.root = root  # the 1-rank halves wrote into the 2-rank runs' directories
         self.same = run_worker(root, same_layout_scenarios(root, fasta), 2)
@@ -259,7 +260,7 @@ def test_conversion_leaves_the_source_alone_and_carries_the_client_state(runs):
 def test_converting_again_refuses_to_overwrite(runs):
     out = runs.universal_dir("zero1_split")
     before = tree_digest(out)
-    proc = cli("convert-checkpoint", "--checkpoint", str(runs.sources["zero1_split"]), "--workers", "1")
+    proc = cli_here("convert-checkpoint", "--checkpoint", str(runs.sources["zero1_split"]), "--workers", "1")
     assert proc.returncode == 2 and "already exists" in proc.stderr, proc.stderr
     assert tree_digest(out) == before
 
@@ -268,7 +269,7 @@ def test_zero0_checkpoint_resumes_on_one_rank_without_conversion(runs):
     """ZeRO stage 0 keeps the whole optimizer state in mp_rank_00_model_states.pt: nothing to re-partition."""
     assert json.loads((runs.root / "zero0_split" / "env.json").read_text())["world_size"] == 1
     compare(runs, "zero0_split", "zero0")
-    proc = cli("convert-checkpoint", "--checkpoint", str(runs.root / "zero0_split"), "--workers", "1")
+    proc = cli_here("convert-checkpoint", "--checkpoint", str(runs.root / "zero0_split"), "--workers", "1")
     assert proc.returncode == 2 and "ZeRO stage 0" in proc.stderr, proc.stderr
 
 
@@ -280,6 +281,7 @@ def test_resume_at_another_world_size_without_conversion_is_refused(runs, tmp_pa
     config = scenario(runs.root, runs.fasta, "zero2_split", ds("zero2"), 8, dropout=0.0)["config"]
     config["log"]["run_dir"] = str(tmp_path / "one_rank")
     config["checkpoint"]["resume"] = str(src)
+    # A subprocess: a plain pretrain, which would start a process group here if the refusal broke.
     proc = cli("pretrain", "--config", write_yaml(tmp_path / "run.yaml", config))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr
@@ -294,6 +296,6 @@ def test_universal_checkpoint_without_the_flag_is_refused(runs, tmp_path):
     config = scenario(runs.root, runs.fasta, "zero1_split", ds("zero1"), 4, dropout=0.0)["config"]
     config["log"]["run_dir"] = str(tmp_path / "run")
     config["checkpoint"]["resume"] = str(out)
-    proc = cli("pretrain", "--config", write_yaml(tmp_path / "run.yaml", config), "--dry_run")
+    proc = cli_here("pretrain", "--config", write_yaml(tmp_path / "run.yaml", config), "--dry_run")
     assert proc.returncode == 2 and "add --checkpoint.universal true" in proc.stderr, proc.stderr
     assert "1 configuration problem(s)" in proc.stderr, proc.stderr

@@ -154,3 +154,60 @@ def run_config(argv: list[str]):
     parser = run_config_parser()
     ns = parser.parse_args(list(argv))
     return root_config(parser.instantiate(ns)), config_files(ns)
+
+
+def cli_here(*args: str) -> subprocess.CompletedProcess:
+    """`python -m megagenome ARGS` in this process: megagenome/__main__.py run by runpy as `-m` runs it (it calls
+    megagenome.cli.main, whose flag errors return 2), returned as `cli` returns it: CompletedProcess(args,
+    returncode, stdout, stderr), the output as text.
+
+    Why: every `cli` is a fresh interpreter that imports torch, jsonargparse and megagenome again, ~4-7 s on a busy
+    2-core machine; this process has them imported already. As under `cli`, the working directory is the checkout
+    and os.environ is env() (so a child the command starts, like convert-checkpoint's ds_to_universal, gets the
+    same environment). sys.stdout and sys.stderr are captured; a SystemExit becomes the return code (None -> 0, an
+    int -> itself, anything else -> 1 with it on stderr, as the interpreter does) and an uncaught exception its
+    traceback on stderr with return code 1. The working directory, os.environ, sys.argv and the root logger's level
+    and handlers are restored afterwards.
+
+    Use `cli` (a subprocess) instead for a command that starts a process group, a DeepSpeed engine or
+    torch.distributed (pretrain that trains, preflight, find-micro-batch, eval, export, ...), installs signal
+    handlers, may call os._exit, or changes process-global state it does not undo (torch threads or seeds, logging
+    handlers, CUDA); for output written to the file descriptors rather than sys.stdout/sys.stderr (C code, a child
+    that inherits them, a logging handler bound to the real stream at import); and wherever the real interpreter
+    or console script is the point of the test.
+    """
+    import io
+    import logging
+    import runpy
+    import traceback
+
+    argv = list(args)
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_argv, cwd = dict(os.environ), list(sys.argv), os.getcwd()
+    root = logging.getLogger()
+    saved_logging = (root.level, list(root.handlers))
+    os.environ.clear()
+    os.environ.update(env())
+    sys.argv = [str(REPO / "megagenome" / "__main__.py"), *argv]
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_module("megagenome", run_name="__main__")
+                code = 0  # __main__.py always exits; returning is a clean end all the same
+            except SystemExit as e:
+                code = e.code
+            except Exception:
+                traceback.print_exc()
+                code = 1
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+    finally:
+        os.chdir(cwd)
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        root.setLevel(saved_logging[0])
+        root.handlers[:] = saved_logging[1]
+    return subprocess.CompletedProcess(argv, code or 0, out.getvalue(), err.getvalue())
