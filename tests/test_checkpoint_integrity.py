@@ -77,6 +77,7 @@ DAMAGED = {"dense": "mp_rank_00_model_states.pt", "zero3": "zero_pp_rank_1_mp_ra
 # ----- manifests of real runs ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_complete_marker_lists_its_files_and_verifies(trained):
     """checkpoint.save wrote a manifest into every marker of the 2-rank runs, in every layout, covering every file
     but the marker, and the files match it."""
@@ -91,6 +92,7 @@ def test_every_complete_marker_lists_its_files_and_verifies(trained):
             assert checkpoint.verify(path) == [], path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncate", "flip"])
 @pytest.mark.parametrize("name", sorted(DAMAGED))
 def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(trained, tmp_path, name, how):
@@ -109,6 +111,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(trained, tmp_pa
         assert checkpoint.resolve_verified("auto", str(root), "size") == (str(tag(root, STEPS)), [])
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_named_explicitly_is_refused(trained, tmp_path):
     root = checkpoints_of(trained, "dense", tmp_path)
     bad = tag(root, STEPS) / DAMAGED["dense"]
@@ -118,6 +121,7 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused(trained, tmp_path):
     assert str(bad) in str(err.value) and str(tag(root, OLDER)) not in str(err.value)
 
 
+@pytest.mark.slow
 def test_no_checkpoint_that_verifies_is_an_error_naming_each(trained, tmp_path):
     root = checkpoints_of(trained, "dense", tmp_path)
     for step in (OLDER, STEPS):
@@ -127,6 +131,7 @@ def test_no_checkpoint_that_verifies_is_an_error_naming_each(trained, tmp_path):
     assert all(str(tag(root, s) / DAMAGED["dense"]) in str(err.value) for s in (OLDER, STEPS))
 
 
+@pytest.mark.slow
 def test_an_old_marker_without_manifest_still_resumes_unverified(trained, tmp_path):
     """Markers of earlier versions hold only the step: complete, unverifiable, accepted with a warning."""
     root = checkpoints_of(trained, "dense", tmp_path)
@@ -151,6 +156,7 @@ def test_the_ranks_agree_on_the_oldest_choice():
         checkpoint.agree_on_resume(new, lambda mine: [mine, None])
 
 
+@pytest.mark.slow
 def test_a_converted_checkpoint_carries_a_manifest(trained, tmp_path):
     root = checkpoints_of(trained, "zero3", tmp_path / "run")
     out = checkpoint.convert_to_universal(str(tag(root, STEPS)), str(tmp_path / "universal"))

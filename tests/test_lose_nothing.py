@@ -24,6 +24,8 @@ from support.runs import ds, run_worker
 
 from megagenome.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # every test reads the runs of the `lose` fixture's three workers
+
 STEPS = 6
 RESIZE_ATOL = 2e-6  # another data-parallel size sums the same gradients in another order: float32 rounding only
 

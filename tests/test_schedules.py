@@ -222,6 +222,7 @@ def _weights(runs, name: str, step: int) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in torch.load(path, map_location="cpu", weights_only=False)["module"].items()}
 
 
+@pytest.mark.slow
 def test_extended_wsd_run_equals_the_longer_run(runs):
     a, _ = _rows(runs, "wsd_a")
     b, b_eval = _rows(runs, "wsd_b")
@@ -244,6 +245,7 @@ def test_extended_wsd_run_equals_the_longer_run(runs):
     assert long.decay_start == 9 and b[8]["lr"] == 3e-3 > b[9]["lr"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LR_RUNS))
 def test_lr_column_follows_the_schedule(runs, name):
     rows, _ = _rows(runs, name)
@@ -255,6 +257,7 @@ def test_lr_column_follows_the_schedule(runs, name):
     assert len({r["lr"] for r in rows}) > 2  # the column moves: a constant 3e-3 would fail
 
 
+@pytest.mark.slow
 def test_a_resume_runs_its_first_update_at_the_new_schedules_lr(runs):
     """A's step-7 checkpoint holds its decayed LR in the optimizer state, which DeepSpeed restores (ZeRO-1) after the
     scheduler; resumed with max_steps 12, update 8 must run at B's peak LR (schedules.reapply), so the run equals B
