@@ -156,7 +156,7 @@ def run_config(argv: list[str]):
     return root_config(parser.instantiate(ns)), config_files(ns)
 
 
-def cli_here(*args: str) -> subprocess.CompletedProcess:
+def cli_here(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """`python -m megagenome ARGS` in this process: megagenome/__main__.py run by runpy as `-m` runs it (it calls
     megagenome.cli.main, whose flag errors return 2), returned as `cli` returns it: CompletedProcess(args,
     returncode, stdout, stderr), the output as text.
@@ -164,10 +164,11 @@ def cli_here(*args: str) -> subprocess.CompletedProcess:
     Why: every `cli` is a fresh interpreter that imports torch, jsonargparse and megagenome again, ~4-7 s on a busy
     2-core machine; this process has them imported already. As under `cli`, the working directory is the checkout
     and os.environ is env() (so a child the command starts, like convert-checkpoint's ds_to_universal, gets the
-    same environment). sys.stdout and sys.stderr are captured; a SystemExit becomes the return code (None -> 0, an
-    int -> itself, anything else -> 1 with it on stderr, as the interpreter does) and an uncaught exception its
-    traceback on stderr with return code 1. The working directory, os.environ, sys.argv and the root logger's level
-    and handlers are restored afterwards.
+    same environment). sys.stdout and sys.stderr are captured, warnings printed to the latter under the
+    interpreter's default filters; a SystemExit becomes the return code (None -> 0, an int -> itself, anything else
+    -> 1 with it on stderr, as the interpreter does) and an uncaught exception its traceback on stderr with return
+    code 1. A command still running after `timeout` seconds is stopped (SIGALRM) with an error, as `cli`'s would be.
+    The working directory, os.environ, sys.argv and the root logger's level and handlers are restored afterwards.
 
     Use `cli` (a subprocess) instead for a command that starts a process group, a DeepSpeed engine or
     torch.distributed (pretrain that trains, preflight, find-micro-batch, eval, export, ...), installs signal
@@ -179,7 +180,15 @@ def cli_here(*args: str) -> subprocess.CompletedProcess:
     import io
     import logging
     import runpy
+    import signal
     import traceback
+    import warnings
+
+    class Timeout(BaseException):  # not an Exception: the command's own handlers do not catch it
+        pass
+
+    def alarm(signum, frame):
+        raise Timeout(f"cli_here: `megagenome {' '.join(args)}` did not finish within {timeout} s")
 
     argv = list(args)
     out, err = io.StringIO(), io.StringIO()
@@ -190,8 +199,17 @@ def cli_here(*args: str) -> subprocess.CompletedProcess:
     os.environ.update(env())
     sys.argv = [str(REPO / "megagenome" / "__main__.py"), *argv]
     os.chdir(REPO)
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(timeout)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()  # the interpreter's default filters, not pytest's
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__", append=True)
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=category, append=True)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: err.write(
+                warnings.formatwarning(message, category, filename, lineno, line)
+            )
             try:
                 runpy.run_module("megagenome", run_name="__main__")
                 code = 0  # __main__.py always exits; returning is a clean end all the same
@@ -204,6 +222,8 @@ def cli_here(*args: str) -> subprocess.CompletedProcess:
                 print(code, file=sys.stderr)
                 code = 1
     finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
         os.chdir(cwd)
         sys.argv = saved_argv
         os.environ.clear()

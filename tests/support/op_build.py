@@ -7,8 +7,8 @@ and inside the other tests rather than adding to the suite's wall time; the test
 
 The build is DeepSpeed's own (AsyncIOBuilder().load(), the same call ZeRO-Infinity makes), into the same
 TORCH_EXTENSIONS_DIR, so the test's run finds it built and loads it as is. torch serialises builds of one op with a
-lock file in its build directory: a build stopped early (pytest -x, Ctrl-C) is killed with its compilers and that
-lock is removed (for both ops it builds), or every later load of the op would wait on it forever.
+lock file in its build directory: a build stopped early (pytest -x, Ctrl-C) releases the lock it holds and is killed
+with its compilers (`BackgroundBuild.stop`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
 from support.helpers import env
 
-BUILD = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+# SIGTERM becomes SystemExit, so that torch's `finally` releases the build lock this process holds (and only that).
+BUILD = (
+    "import signal, sys; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); "
+    "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+)
 
 
 def aio_ready() -> bool:
@@ -43,7 +49,7 @@ def _build_dir(op: str) -> pathlib.Path:
 
 
 class BackgroundBuild:
-    """One `nice -n 19` process building the op; its output goes to `log`."""
+    """One `nice -n 19` process building the op (ninja at most 2 compilers); its output goes to `log`."""
 
     def __init__(self, log: pathlib.Path):
         self.log = log
@@ -52,9 +58,14 @@ class BackgroundBuild:
                 ["nice", "-n", "19", sys.executable, "-c", BUILD],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=env(),
+                env={**env(), "MAX_JOBS": "2"},
                 start_new_session=True,  # a session of its own: stop() finds ninja's compilers by it
             )
+        # With the kernel's scheduler autogroups (Ubuntu's and Debian's default), a new session is a scheduling group
+        # of its own that gets an equal share of the CPU whatever its processes' nice values: the group itself must
+        # be niced, or the build would take half of the machine from the tests.
+        with contextlib.suppress(OSError):
+            pathlib.Path(f"/proc/{self.proc.pid}/autogroup").write_text("19")
 
     def wait(self, timeout: float) -> str | None:
         """None once the op is built, else what went wrong (with the build's last output)."""
@@ -67,17 +78,30 @@ class BackgroundBuild:
         return None
 
     def stop(self) -> None:
-        """Kill an unfinished build, every process of its session (ninja starts each compiler in a process group of
-        its own, so the build's group alone would leave them running), and remove the build locks it leaves."""
-        if self.proc.poll() is not None:
-            return
-        for pid in _session(self.proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.proc.wait()
-        for op in OPS:
-            with contextlib.suppress(FileNotFoundError):
-                (_build_dir(op) / "lock").unlink()
+        """Stop an unfinished build: SIGTERM, on which torch releases the build lock it holds (a lock another process
+        holds is left alone), then SIGKILL to whatever is left of its session (ninja starts each compiler in a
+        process group of its own, so the build's group alone would leave them running). A build that did not end
+        on SIGTERM is killed, and the build locks it may leave behind are removed, or every later load of the op
+        would wait on them forever."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                for op in OPS:
+                    with contextlib.suppress(FileNotFoundError):
+                        (_build_dir(op) / "lock").unlink()
+        for _ in range(10):  # a compiler ninja forked after a scan survives it: scan until none is left
+            pids = _session(self.proc.pid)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+        shutil.rmtree(self.log.parent, ignore_errors=True)
 
 
 def _session(sid: int) -> list[int]:

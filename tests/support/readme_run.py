@@ -59,7 +59,11 @@ class ReadmeRun:
 
     def default_job(self) -> subprocess.CompletedProcess:
         """The default job's launch as it ran: argv, exit status, its whole stdout and stderr."""
-        k, row = next((k, r) for k, r in enumerate(self.rows) if r["rule"] == DEFAULT_JOB)
+        found = next(((k, r) for k, r in enumerate(self.rows) if r["rule"] == DEFAULT_JOB), None)
+        if found is None:  # the runner stopped at a failing step before it
+            failed = next((r for r in self.rows if r["rc"] != 0), None)
+            raise AssertionError(f"the README run did not reach its default job; first failure: {failed}")
+        k, row = found
         out, err = ((self.root / f"step{k:02d}{suffix}").read_text(errors="replace") for suffix in (".out", ".err"))
         return subprocess.CompletedProcess(row["argv"], row["rc"], out, err)
 
