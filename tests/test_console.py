@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import pytest
 from support.helpers import env, free_port
+from support.readme_commands import DEFAULT_JOB_MAX_STEPS
 
 from megagenome import console, summary
 from megagenome.config import RootConfig
@@ -34,7 +35,7 @@ DS_QUIET = (
 )
 DS_WARNING = "[2026-12-02 00:44:05,037] [WARNING] [engine.py:1:f] The checkpoint was written by another version\n"
 DS_ERROR = "[2026-12-02 00:43:40,502] [ERROR] [launch.py:259:sigkill_handler] [...] exits with return code = 2\n"
-STEPS = 6  # the README's default job as tests/test_readme.py runs it (support/readme_commands.DEFAULT_JOB_STEPS)
+STEPS = DEFAULT_JOB_MAX_STEPS  # the README's default job as the README run launches it
 BAR = re.compile(r"^\s*pretrain:\s+\d+%\|")
 
 

@@ -22,7 +22,7 @@ import sys
 import pytest
 import yaml
 from support.helpers import REPO
-from support.readme_commands import DEFAULT_JOB
+from support.readme_commands import DEFAULT_JOB, DEFAULT_JOB_MAX_STEPS
 from support.readme_run import mapped_steps, setup_requirements
 
 # Imported by tests but needed only where they run: bitsandbytes is the CUDA 8-bit AdamW (tests skip without CUDA).
@@ -58,7 +58,7 @@ def test_every_readme_command_runs_in_a_fresh_clone(readme_run):
 def test_the_readme_commands_leave_what_they_promise(readme_run):
     rows, clone = readme_run.rows, readme_run.clone
     by_line = {r["line"]: r for r in rows}
-    assert json.loads((clone / "runs" / "tiny" / "summary.json").read_text())["steps"] == 6
+    assert json.loads((clone / "runs" / "tiny" / "summary.json").read_text())["steps"] == DEFAULT_JOB_MAX_STEPS
     # No example trains into the default job's directory (its checkpoint is 2-rank): each has its own.
     trained = [r for r in rows if r["rule"] == "pretrain: real, CPU steps"]
     assert len(trained) >= 3

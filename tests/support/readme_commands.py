@@ -46,6 +46,7 @@ DEFAULT_JOB_STEPS = [
     "--train.max_steps", "6", "--train.warmup_steps", "1", "--train.eval_interval", "2", "--train.log_interval", "2",
     "--checkpoint.interval", "2", "--data.eval_windows", "2",
 ]  # fmt: skip
+DEFAULT_JOB_MAX_STEPS = int(DEFAULT_JOB_STEPS[DEFAULT_JOB_STEPS.index("--train.max_steps") + 1])
 # Appended to score-variants: 64-base windows (the default is the training window, 512), 8x fewer tokens on CPU, in
 # forward passes of 512 windows (the default 16 makes 3,893 variants ~500 passes of per-call overhead).
 SCORE_WINDOW = ["--window", "64", "--batch_size", "512"]
