@@ -41,7 +41,7 @@ setup(
         # Weights & Biases logging (--log.wandb); optional, imported only when asked for.
         "wandb": ["wandb==0.31.0"],
         # transformers and accelerate are the Hugging Face Trainer peer of benchmarks/peers.py; the package imports
-        # transformers only to check an export (megagenome/export.py, lazily).
+        # transformers only to check an export (megagenome/after_training/export.py, lazily).
         "bench": ["transformers==5.24.0", "accelerate==1.15.0"],
     },
     entry_points={"console_scripts": ["megagenome=megagenome.cli:main"]},

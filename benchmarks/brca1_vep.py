@@ -167,7 +167,7 @@ def markdown(rows: list[dict], meta: dict, baseline: dict) -> str:
 def composition_baseline(vcf: str, bootstrap: int, seed: int) -> dict:
     """AUROC (of -score, as for the models) of a score with no model: 1 if the ALT base is A or T, else 0, what a
     model that knows only the locus's AT-rich composition gives (stop codons, TAA/TAG/TGA, are A/T-rich)."""
-    from megagenome.variant_scoring import auroc, bootstrap_interval
+    from megagenome.after_training.variant_scoring import auroc, bootstrap_interval
 
     with open(vcf, encoding="utf-8") as fh:
         rows = [line.split("\t") for line in fh if not line.startswith("#")]

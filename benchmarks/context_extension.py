@@ -75,8 +75,8 @@ def scenarios(args, work: pathlib.Path, fasta: str) -> list[dict]:
 
 def worker(spec_path: pathlib.Path) -> None:
     """Every scenario of the spec through pretrain.run in this process group; rank 0 writes each one's wall time."""
-    from megagenome import pretrain
     from megagenome.config.load import config_from_args
+    from megagenome.run import pretrain
     from megagenome.train import engine
 
     spec = json.loads(spec_path.read_text())
@@ -93,9 +93,9 @@ def worker(spec_path: pathlib.Path) -> None:
 def heldout(run_dir: pathlib.Path, model_cfg, data_run: pathlib.Path) -> tuple[float, float]:
     """(bits/base, bases) of run_dir's newest weights in a float32 model built with model_cfg, over the held-out
     windows of the run in data_run (its --data.seq_len and --data.eval_windows)."""
-    from megagenome import quantize
+    from megagenome.after_training import quantize
+    from megagenome.after_training.inference import build_model, read_weights
     from megagenome.config.load import load_config
-    from megagenome.inference import build_model, read_weights
 
     _, state, _, _ = read_weights(str(run_dir))
     data, _ = quantize.eval_data(model_cfg, load_config(str(data_run / "config.yaml")), None, None)
@@ -111,7 +111,7 @@ def measure(args, work: pathlib.Path) -> list[dict]:
     from dataclasses import replace
 
     from megagenome.config.load import load_config
-    from megagenome.metrics import read_metrics
+    from megagenome.observe.metrics import read_metrics
 
     long = args.short * FACTOR
     base_cfg = load_config(str(work / "base" / "config.yaml")).model

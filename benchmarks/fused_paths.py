@@ -66,11 +66,12 @@ def timing_worker(spec_path: pathlib.Path) -> None:
     from megagenome.data.dataset import build_genome_data
     from megagenome.data.sampler import batch_indices
     from megagenome.data.tokenizer import VOCAB_SIZE
-    from megagenome.metrics import MetricsWriter
     from megagenome.model import DNATransformer
+    from megagenome.observe.metrics import MetricsWriter
     from megagenome.parallel.layout import ParallelLayout
     from megagenome.parallel.state import ParallelState
     from megagenome.train import ds_config as dsc
+    from megagenome.train import ds_final
     from megagenome.train import engine as ds
     from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
 
@@ -99,7 +100,7 @@ def timing_worker(spec_path: pathlib.Path) -> None:
     )
     if problems:
         raise ValueError("; ".join(problems))
-    ds_config = dsc.build_ds_config(ds_json, b, cfg.train, universal=False, on_gpu=ds.on_gpu())
+    ds_config = ds_final.build_ds_config(ds_json, b, cfg.train, universal=False, on_gpu=ds.on_gpu())
     data = build_genome_data(cfg.data, cfg.model.objective)
     mine = [
         data.train_batch(batch_indices(s * b.global_batch, m, rank, world, b.micro))
@@ -190,7 +191,7 @@ spec = json.loads(sys.argv[1])
 mod = importlib.util.spec_from_file_location("host_syncs", spec["host_syncs"])
 host_syncs = importlib.util.module_from_spec(mod); sys.modules["host_syncs"] = host_syncs
 mod.loader.exec_module(host_syncs)
-from megagenome import pretrain
+from megagenome.run import pretrain
 from megagenome.config import TrainConfig
 from megagenome.config.load import config_from_dict
 work = pathlib.Path(tempfile.mkdtemp(prefix="mg-syncs-"))

@@ -25,9 +25,9 @@ recorded as skipped, with the reason):
    SwiGLU width and tied embeddings as ours), "flash_attention_2" where flash-attn imports, else "sdpa"; fp32
    weights under bf16 autocast, fused AdamW, clipping at 1.0, random DNA tokens, the micro batch megagenome fitted.
 
-MFU in two conventions (megagenome.metrics.flops_per_token): causal attention counted at half, as Megatron-LM counts
+MFU in two conventions (observe/metrics.py flops_per_token): causal attention counted at half, as Megatron-LM counts
 it (6N + 6*L*d*s per token: the headline and the goal's), and every score counted (PaLM: 6N + 12*L*d*s); the peak is
-the datasheet dense bf16 value of megagenome.metrics.PEAK_TFLOPS for the device name torch reports ("NVIDIA H200":
+the datasheet dense bf16 value of observe/metrics.py PEAK_TFLOPS for the device name torch reports ("NVIDIA H200":
 H200 SXM, 989 TFLOP/s; "NVIDIA H200 NVL": 835). Micro batch per cell: an estimate, not a search: the largest power of
 two whose activations (61 x d_model bytes per token per layer in bf16, measured on this model's Block with
 saved-tensor hooks, x 1.25 for transient buffers) and model states (20 bytes per parameter) fit in 85% of the GPU's
@@ -181,10 +181,10 @@ def versions() -> dict:
 
 
 def device_info() -> dict:
-    """The device the cells run on, with its datasheet peak (megagenome.metrics.gpu_peak of the name torch reports)."""
+    """The device the cells run on, with its datasheet peak (observe/metrics.py gpu_peak of its name)."""
     import torch
 
-    from megagenome.metrics import gpu_peak
+    from megagenome.observe.metrics import gpu_peak
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -219,7 +219,7 @@ def gpu_test_files() -> list[str]:
 
 
 def run_gpu_tests(clock: Clock, work: pathlib.Path) -> dict:
-    from megagenome import trials
+    from megagenome.run import trials
 
     files = gpu_test_files()
     timeout = max(1.0, min(TESTS_CAP_S, clock.left() * 0.4))

@@ -2,7 +2,7 @@
 a `--model.compile true` variant of the goal cell, and a Hugging Face peer of the same shapes (docstring of
 gpu_check.py). Imported only after gpu_check.py has probed every package these imports need.
 
-A megagenome cell is `python -m megagenome pretrain` in a child (megagenome/trials.py's trial config: one micro
+A megagenome cell is `python -m megagenome pretrain` in a child (megagenome/run/trials.py's trial config: one micro
 batch per step, no evaluation or checkpoint before the last step), ended once its timed rows are written, so the
 last step's held-out batch and checkpoint (~16 GB at 1B) never run. It writes a metrics row, and syncs with the GPU
 (train/sync_points.py), only every `log_interval` steps (step_plan; --train.sync_interval the same): the timed rows,
@@ -26,11 +26,11 @@ import sys
 import time
 import traceback
 
-from megagenome import trials
 from megagenome.config import RootConfig, d_ff, to_dict
 from megagenome.config.load import config_from_args
-from megagenome.metrics import flops_per_token
-from megagenome.record import write_yaml
+from megagenome.observe.metrics import flops_per_token
+from megagenome.observe.record import write_yaml
+from megagenome.run import trials
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODELS = {"125M": "configs/dna_125m.yaml", "1B": "configs/dna_1b.yaml"}

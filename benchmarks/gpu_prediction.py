@@ -33,8 +33,8 @@ CLUSTER = {"gpus": 1, "gpus_per_node": 1, "gpu": "H200", "gpu_memory_gb": 141.0}
 
 def predict() -> dict:
     """{seq: the plan's breakdown and the config it is of} for every cell."""
-    from megagenome import plan
     from megagenome.config.load import config_from_args
+    from megagenome.planner import plan
     from megagenome.planner.timing import Cluster
 
     os.chdir(REPO)  # the run config names its files relative to the repository

@@ -75,9 +75,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megagenome import prepare as prep  # noqa: E402
 from megagenome.config import DataConfig  # noqa: E402
 from megagenome.config.load import load_manifest  # noqa: E402
+from megagenome.data import prepare as prep  # noqa: E402
 from megagenome.data import prepared  # noqa: E402
 from megagenome.data.dataset import (  # noqa: E402
     RNG_MASK,

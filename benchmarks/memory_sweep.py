@@ -116,6 +116,7 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
     from megagenome.model import DNATransformer
     from megagenome.parallel.layout import ParallelLayout
     from megagenome.train import ds_config as dsc
+    from megagenome.train import ds_final
     from megagenome.train import engine as ds
     from megagenome.train.loop import peak_memory_bytes
     from megagenome.train.memory import memory_probe
@@ -131,7 +132,7 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
     if problems:
         raise ValueError("; ".join(problems))
     batch = ParallelLayout(world).batch(cfg.train)
-    ds_config = dsc.build_ds_config(ds_json, batch, cfg.train, universal=False, on_gpu=False)
+    ds_config = ds_final.build_ds_config(ds_json, batch, cfg.train, universal=False, on_gpu=False)
     torch.manual_seed(0)
     model = DNATransformer(cfg.model, VOCAB_SIZE)
     n_params = model.num_parameters()  # before initialize: ZeRO-3 leaves empty parameters on the module

@@ -119,8 +119,8 @@ def memory_arms(args, work: pathlib.Path) -> list[dict]:
 
 def worker(spec_path: pathlib.Path) -> None:
     """Every arm through pretrain.run in this process group; a refused arm is recorded with its reason."""
-    from megagenome import pretrain
     from megagenome.config.load import config_from_args
+    from megagenome.run import pretrain
     from megagenome.train import engine
 
     spec = json.loads(spec_path.read_text())
@@ -141,8 +141,8 @@ def worker(spec_path: pathlib.Path) -> None:
 
 def refusal(arm: dict) -> str | None:
     """The validation problems of an arm's config (what the run would refuse, before launch), else None."""
-    from megagenome.assembly import validate
     from megagenome.config.load import config_from_args
+    from megagenome.run.assembly import validate
 
     try:
         validate(config_from_args(["--config", str(TINY), *arm["flags"]]), [str(TINY)], 2, data=False, runtime=False)

@@ -205,9 +205,9 @@ def _in_step(make_step):
 def worker(spec_path: pathlib.Path) -> None:
     import torch.distributed as dist
 
-    from megagenome import pretrain
     from megagenome.config.load import config_from_dict
     from megagenome.parallel import pipeline
+    from megagenome.run import pretrain
     from megagenome.train import engine, loop
 
     for op in OPS:

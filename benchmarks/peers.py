@@ -147,11 +147,12 @@ def worker(spec_path: pathlib.Path) -> None:
     from megagenome.data.dataset import build_genome_data
     from megagenome.data.sampler import batch_indices
     from megagenome.data.tokenizer import VOCAB_SIZE
-    from megagenome.metrics import MetricsWriter, flops_per_token
     from megagenome.model import DNATransformer
+    from megagenome.observe.metrics import MetricsWriter, flops_per_token
     from megagenome.parallel.layout import ParallelLayout
     from megagenome.parallel.state import ParallelState
     from megagenome.train import ds_config as dsc
+    from megagenome.train import ds_final
     from megagenome.train import engine as ds
     from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
 
@@ -185,7 +186,7 @@ def worker(spec_path: pathlib.Path) -> None:
     problems += dsc.check_ds_config(ds_json, cfg.train.ds_config, "peers.py", gpu, sources, ds.section_problems)
     if problems:
         raise ValueError("; ".join(problems))
-    ds_config = dsc.build_ds_config(ds_json, b, cfg.train, universal=False, on_gpu=gpu)
+    ds_config = ds_final.build_ds_config(ds_json, b, cfg.train, universal=False, on_gpu=gpu)
     bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
 
     # The same batches for everyone: batch (step, micro step) of every rank, as pretrain.run would draw them.

@@ -65,7 +65,7 @@ MEASURE_TIMEOUT_S = 900
 
 def shape(model: dict):
     from megagenome.config import ModelConfig, RootConfig
-    from megagenome.plan import shape_of
+    from megagenome.planner.plan import shape_of
 
     return shape_of(RootConfig(model=ModelConfig(**model)))
 
@@ -273,7 +273,7 @@ def megatron_rows() -> list[dict]:
     """Per Table 1 configuration, at tp GPUs and 64 x tp GPUs: published and predicted efficiency (per-GPU training
     FLOP rate over the 1.2B model's on 1 GPU; stage 0, fp16 gradients all-reduced after backward, full
     recomputation)."""
-    from megagenome.metrics import flops_per_token
+    from megagenome.observe.metrics import flops_per_token
     from megagenome.planner.activations import n_params, recompute_flops_per_token
     from megagenome.planner.choose import Candidate, evaluate
 

@@ -260,9 +260,9 @@ def worker(spec_path: pathlib.Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from megagenome import pretrain
     from megagenome.config import ConfigError
     from megagenome.config.load import config_from_dict
+    from megagenome.run import pretrain
     from megagenome.train import checkpoint
     from megagenome.train import engine as ds
 

@@ -4,7 +4,7 @@
 # Uses every visible GPU; on a machine without one, NPROC CPU ranks (default 2) on the gloo backend.
 # Environment: NPROC (CPU ranks), MASTER_PORT (default 29500 + a hash of the run's arguments).
 #
-# DeepSpeed's launcher runs under `python -m megagenome.supervise` (this script's pid becomes the supervisor's):
+# DeepSpeed's launcher runs under `python -m megagenome.run.supervise` (this script's pid becomes the supervisor's):
 # SIGTERM, SIGINT (Ctrl-C) and SIGHUP to it stop every rank after the same step, with a checkpoint if it fits in
 # --checkpoint.grace_s, exit code 143 (130 for Ctrl-C); the checkpoint signal (SIGUSR1) checkpoints and exits 75; no
 # process of the launch outlives it; --train.max_restarts N restarts a failed run from its newest complete
@@ -12,7 +12,7 @@
 #
 # The console shows megagenome's lines, errors and the DeepSpeed warnings that matter; the launcher's other lines go
 # to <run dir>/logs/launcher.log, each rank's DeepSpeed log and warnings to <run dir>/logs/rank<N>.log
-# (megagenome/console.py).
+# (megagenome/observe/console.py).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
@@ -27,5 +27,5 @@ fi
 # shellcheck source=route.sh
 source launch/route.sh
 port=${MASTER_PORT:-$((29500 + $(printf '%s' "$*" | cksum | cut -d' ' -f1) % 1000))}
-exec python -m megagenome.supervise -- \
+exec python -m megagenome.run.supervise -- \
   deepspeed --num_gpus "$nproc" --master_port "$port" --module megagenome pretrain "$@" > >(route_console "$@")

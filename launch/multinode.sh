@@ -35,7 +35,7 @@
 # --no_ssh_check --master_addr ADDR. Interrupting the launcher makes DeepSpeed run `pkill -f "<python> -u -m
 # deepspeed.launcher.launch"` on every host: on a shared node that stops other users' DeepSpeed launches too.
 #
-# Signals: DeepSpeed's runner runs under `python -m megagenome.supervise`. The ranks run on the hosts through ssh,
+# Signals: DeepSpeed's runner runs under `python -m megagenome.run.supervise`. The ranks run on the hosts through ssh,
 # not under this shell, so SIGTERM/SIGINT/SIGHUP here reach DeepSpeed's runner, whose multi-node handler stops
 # pdsh and runs the pkill above; each host's launch.py then sends SIGTERM to its ranks, which stop after the same
 # step with a checkpoint if it fits (launch.py SIGKILLs them 30 s later: keep --checkpoint.grace_s under that), and a
@@ -58,4 +58,4 @@ cmd=(deepspeed --hostfile "$hostfile" --master_port "$master_port")
 [ "$no_ssh_check" = 1 ] && cmd+=(--no_ssh_check)
 cmd+=(--module megagenome pretrain "${pretrain_args[@]}")
 echo "$prog: ${cmd[*]}" >&2
-exec python -m megagenome.supervise -- "${cmd[@]}" > >(route_console "${pretrain_args[@]}")
+exec python -m megagenome.run.supervise -- "${cmd[@]}" > >(route_console "${pretrain_args[@]}")

@@ -20,7 +20,7 @@
 # environment, so set NCCL_*, PYTHONPATH, OMP_NUM_THREADS ... where this script is started on each node.
 # The working directory is the run's: relative paths in the config resolve from it on every node.
 #
-# Signals: DeepSpeed's launcher runs under `python -m megagenome.supervise`: SIGTERM, SIGINT and SIGHUP to this
+# Signals: DeepSpeed's launcher runs under `python -m megagenome.run.supervise`: SIGTERM, SIGINT and SIGHUP to this
 # script's pid reach this node's ranks, which stop (with the other nodes' ranks) after the same step, with a
 # checkpoint if it fits in --checkpoint.grace_s, exit 143 (130 for SIGINT); nothing outlives the script.
 # --train.max_restarts N restarts this node's share after a failure; the other nodes' ranks fail with it (their
@@ -48,4 +48,4 @@ cmd=(deepspeed --no_ssh --node_rank "$node_rank" --hostfile "$hostfile"
 [ -n "$exclude" ] && cmd+=(--exclude "$exclude")
 cmd+=(--module megagenome pretrain "${pretrain_args[@]}")
 echo "$prog: ${cmd[*]}" >&2
-exec python -m megagenome.supervise -- "${cmd[@]}" > >(route_console "${pretrain_args[@]}")
+exec python -m megagenome.run.supervise -- "${cmd[@]}" > >(route_console "${pretrain_args[@]}")

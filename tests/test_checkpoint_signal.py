@@ -26,7 +26,7 @@ from support.stand_in import StandInEngine, step_of
 from support.stand_in import plan as loop_plan
 
 from megagenome.config import RootConfig, signal_number, validate
-from megagenome.metrics import MetricsWriter, read_metrics
+from megagenome.observe.metrics import MetricsWriter, read_metrics
 from megagenome.train.loop import PREEMPTED_EXIT, Preempted, StopRequest, TrainingStopped, fit
 from megagenome.train.stopping import SIGTERM_EXIT
 
@@ -278,7 +278,7 @@ def test_sigterm_to_local_sh_stops_every_rank_with_a_checkpoint_and_leaves_nothi
     cfg = run_config(tmp_path)
     rc, err = signal_local_sh(cfg, tmp_path, signal.SIGTERM)
     assert rc == SIGTERM_EXIT or "terminate called" in err, (rc, err[-4000:])
-    assert "megagenome.supervise: SIGTERM: sent SIGTERM to 2 rank(s)" in err
+    assert "megagenome.run.supervise: SIGTERM: sent SIGTERM to 2 rank(s)" in err
     stopped_step(tmp_path, err, r"stopped: SIGTERM received: checkpoint of step (\d+) .*; exiting with 143")
     assert_none_left(cfg)
 
@@ -326,7 +326,7 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_to_the_same_losses(
     assert len(rows) == 1 and rows[0]["attempt"] == 1 and rows[0]["exit_code"] not in (0, 2, 4, 75, 130, 143)
     resumed = rows[0]["resumed_from"]
     assert resumed.startswith(str(tmp_path / "run" / "checkpoints" / "step_000000")), rows
-    assert f"megagenome.supervise: exited with {rows[0]['exit_code']}; restart 1 of 1 from {resumed}" in err
+    assert f"megagenome.run.supervise: exited with {rows[0]['exit_code']}; restart 1 of 1 from {resumed}" in err
     assert (tmp_path / "run" / "summary.json").exists()
     found = train_losses(tmp_path / "run")
     assert sorted(found) == list(range(1, STEPS + 1))

@@ -7,9 +7,9 @@ import pytest
 from support.helpers import REPO, copy_genome, tiny_config, write_yaml
 
 from megagenome import cli
-from megagenome.assembly import validate
 from megagenome.config import ConfigError
 from megagenome.config.load import config_files, root_config
+from megagenome.run.assembly import validate
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -288,7 +288,7 @@ def test_bad_flags_exit_2_naming_each(find_micro_yaml, capsys):
 
 
 def test_config_problems_exit_2_before_any_trial(find_micro_yaml, capsys, monkeypatch):
-    from megagenome import tune
+    from megagenome.run import tune
 
     monkeypatch.setattr(tune, "run_trial", lambda *a, **k: pytest.fail("a trial ran"))
     assert cli.main(["find-micro-batch", "--config", find_micro_yaml, "--data.seq_len", "4096"]) == 2

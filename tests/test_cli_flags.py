@@ -1,5 +1,5 @@
 """Tier 1: strict flags and YAML, every problem at once with where it came from, and the supervisor's check before
-launch (issue 16, items 2, 3 and 7). Pure parsing through the real CLI, and `python -m megagenome.supervise` with a
+launch (issue 16, items 2, 3 and 7). Pure parsing through the real CLI, and `python -m megagenome.run.supervise` with a
 stand-in for DeepSpeed's launcher: nothing here starts a rank."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from support.helpers import DATA, REPO, copy_genome, env, tiny_config, write_yaml
 
 from megagenome import cli
-from megagenome.assembly import validate
 from megagenome.config import ConfigError
 from megagenome.config.load import command_line_keys, config_files, root_config
-from megagenome.supervise import pretrain_problems
+from megagenome.run.assembly import validate
+from megagenome.run.supervise import pretrain_problems
 
 
 @pytest.fixture
@@ -166,12 +166,12 @@ def test_prepared_data_beside_a_fasta_config_says_the_fix():
 
 
 def supervise(*command: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megagenome.supervise", "--", *command]
+    cmd = [sys.executable, "-m", "megagenome.run.supervise", "--", *command]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
 
 
 def test_the_supervisor_refuses_a_bad_launch_once_without_starting_it(tmp_path):
-    """launch/local.sh's `python -m megagenome.supervise -- deepspeed ... --module megagenome pretrain ARGS`: a missing
+    """launch/local.sh's `python -m megagenome.run.supervise -- deepspeed ... pretrain ARGS`: a missing
     --config is reported once and nothing starts (`deepspeed` here is a stand-in that would leave a file)."""
     marker = tmp_path / "launched"
     launcher = tmp_path / "deepspeed"
@@ -183,7 +183,7 @@ def test_the_supervisor_refuses_a_bad_launch_once_without_starting_it(tmp_path):
         "megagenome pretrain: error: command line: 'configs/tiny.yaml' is not a flag's value (flags take the form "
         "--name VALUE); did you mean --config configs/tiny.yaml?",
         "every flag: megagenome pretrain --help",
-        "megagenome.supervise: nothing launched",
+        "megagenome.run.supervise: nothing launched",
     ]
 
 

@@ -1,4 +1,4 @@
-"""Tiers 1 and 3: what a run prints (megagenome/console.py) and what a rerun of a finished run reports (summary.py).
+"""Tiers 1 and 3: what a run prints (observe/console.py) and what a rerun of a finished run reports (summary.py).
 
 Issue 16 items 5 and 6: the default job's console was 64 lines, 38 of them DeepSpeed's or torch's ("Setting
 accelerator to CPU" x4, the launcher's INFO lines, 18 lines of bf16_optimizer memory debug, a scheduler warning,
@@ -25,8 +25,9 @@ import pytest
 from support.helpers import env, free_port
 from support.readme_commands import DEFAULT_JOB_MAX_STEPS
 
-from megagenome import console, summary
 from megagenome.config import RootConfig
+from megagenome.observe import console
+from megagenome.run import summary
 
 DS_INFO = "[2026-12-02 00:44:05,037] [INFO] [launch.py:174:main] Setting CUDA_VISIBLE_DEVICES=0,1\n"
 DS_QUIET = (

@@ -30,14 +30,15 @@ import yaml
 from support.helpers import copy_genome, tiny_config
 from support.runs import ds, run_worker
 
-from megagenome import hf_llama, resume_checks
+from megagenome.after_training import hf_llama
+from megagenome.after_training.inference import build_model, read_weights
 from megagenome.config import ModelConfig, RootConfig, config_differences, resume_record, validate
 from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.inference import build_model, read_weights
-from megagenome.metrics import read_metrics
 from megagenome.model import DNATransformer
 from megagenome.model.layers import RotaryEmbedding, rope_frequencies, yarn_mscale
+from megagenome.observe.metrics import read_metrics
+from megagenome.run import resume_checks
 
 LR = 3e-3  # tiny_config's peak learning rate
 GLOBAL_BATCH = 8  # micro 4 x 2 ranks
@@ -259,7 +260,7 @@ def export_on_rank0(run_dir: str, source: str) -> None:
     """A worker check scenario: rank 0 exports `source`'s newest checkpoint into run_dir; every rank waits for it."""
     import torch.distributed as dist
 
-    from megagenome.export import export
+    from megagenome.after_training.export import export
 
     if dist.get_rank() == 0:
         export(source, run_dir)
@@ -314,7 +315,7 @@ def _finished(runs, name: str) -> list[dict]:
 def _heldout_bits(run_dir: str, model_cfg: ModelConfig) -> float:
     """The held-out bits/base of run_dir's newest weights in a model built with model_cfg, over the run's own
     evaluation windows (what its eval rows report)."""
-    from megagenome import quantize
+    from megagenome.after_training import quantize
 
     _, state, _, run_cfg = read_weights(run_dir)
     data, _ = quantize.eval_data(model_cfg, run_cfg, None, None)
@@ -399,8 +400,8 @@ def test_init_from_an_export_at_a_longer_context(extended):
 def test_the_extended_run_exports_with_its_scaling(extended, tmp_path):
     """`megagenome export` of the resumed run: megagenome.json and the card carry the scaling, config.json names it
     as transformers does, and the export loads back (megagenome and transformers) as the run's model."""
-    from megagenome.export import export
-    from megagenome.inference import load_model
+    from megagenome.after_training.export import export
+    from megagenome.after_training.inference import load_model
 
     _finished(extended, "run")
     out = tmp_path / "extended"

@@ -259,9 +259,9 @@ def test_fasta_in_a_read_only_directory(tmp_path, ecoli_fasta, monkeypatch, read
 def test_a_run_config_that_fails_validation_leaves_the_fasta_folder_unchanged(tmp_path, cache):
     from support.helpers import tiny_config
 
-    from megagenome.assembly import validate
     from megagenome.config import ConfigError
     from megagenome.config.load import config_from_dict
+    from megagenome.run.assembly import validate
 
     inputs = tmp_path / "inputs"
     inputs.mkdir()

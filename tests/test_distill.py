@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from support.runs import assert_equivalent
 
-from megagenome.assembly import Ranks, _teacher
+from megagenome.after_training.inference import read_weights
 from megagenome.config import ConfigError, RootConfig
 from megagenome.config import validate as validate_config
 from megagenome.config.sections import DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from megagenome.inference import read_weights
 from megagenome.model.distill import Teacher, distill_sums
+from megagenome.run.assembly import Ranks, _teacher
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ from support.helpers import REPO
 
 from megagenome.config import TrainConfig
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.train.ds_config import DSConfigError, build_ds_config, check_ds_config, load_ds_json, scaled_lr
+from megagenome.train.ds_config import DSConfigError, check_ds_config, load_ds_json, scaled_lr
+from megagenome.train.ds_final import build_ds_config
 
 
 def test_lr_scaling_rules():

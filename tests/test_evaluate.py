@@ -1,4 +1,4 @@
-"""`megagenome eval` (megagenome/evaluate.py) on finished real DeepSpeed runs (support/trained.py).
+"""`megagenome eval` (megagenome/after_training/evaluate.py) on finished real DeepSpeed runs (support/trained.py).
 
 - Consolidation: for a run of every checkpoint layout (ZeRO-0, ZeRO-3, tensor parallel 2, pipeline 2), eval on the
   run's own held-out windows reproduces the held-out loss the run logged at its last step (train/consolidate.py reads
@@ -22,13 +22,13 @@ import pytest
 import yaml
 from support.helpers import copy_genome
 
-from megagenome import evaluate as eval_command
+from megagenome.after_training import evaluate as eval_command
+from megagenome.after_training.evaluate import Sequence, Window, evaluate, per_base, summarise, windows
+from megagenome.after_training.inference import load_model
 from megagenome.config.load import load_config
 from megagenome.data.dataset import build_genome_data
 from megagenome.data.tokenizer import N_ID
-from megagenome.evaluate import Sequence, Window, evaluate, per_base, summarise, windows
-from megagenome.inference import load_model
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""`megagenome export` (megagenome/export.py, hf_llama.py, quantize.py) and `--model.init_from`, on finished real
+"""`megagenome export` (after_training/export.py, hf_llama.py, quantize.py) and `--model.init_from`, on finished real
 DeepSpeed runs (support/trained.py).
 
 - Hugging Face parity: the export of a ZeRO-3, a tensor-parallel 2 and a pipeline 2 run, loaded with
@@ -24,13 +24,13 @@ import pytest
 import torch
 from support.helpers import cli
 
-from megagenome import export
+from megagenome.after_training import export
+from megagenome.after_training.inference import load_model
+from megagenome.after_training.weights import init_from, load_int8, read_export, shard
 from megagenome.config import ConfigError, ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.export import init_from, load_int8, read_export, shard
-from megagenome.inference import load_model
-from megagenome.metrics import read_metrics
 from megagenome.model import DNATransformer
+from megagenome.observe.metrics import read_metrics
 from megagenome.parallel.tensor_parallel import merge_shards
 from megagenome.train.consolidate import checkpoint_tag
 
@@ -56,7 +56,7 @@ def exported(trained, tmp_path_factory):
 
 
 def _main(run, output, **flags) -> int:
-    """export.main on the namespace `megagenome export` parses (cli_after.export_parser), defaults filled in."""
+    """export.main on the namespace `megagenome export` parses (cli/export.py), defaults filled in."""
     defaults = {"step": None, "dtype": "fp32", "quantize": "none", "eval_fasta": None, "eval_windows": None}
     return export.main(SimpleNamespace(run=str(run), output=str(output), **{**defaults, **flags}))
 

@@ -1,4 +1,4 @@
-"""Both FLOP conventions of megagenome/metrics.py against torch's FlopCounterMode on the real DNATransformer.
+"""Both FLOP conventions of megagenome/observe/metrics.py against torch's FlopCounterMode on the real DNATransformer.
 
 FlopCounterMode counts what the kernels do (matmuls: mm, bmm, addmm), so the formulas are pinned by how attention is
 computed, not by a second copy of our arithmetic:
@@ -30,8 +30,8 @@ import megagenome.model.attention as attention_module
 import megagenome.model.layers as layers_module
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.metrics import flops_per_token, forward_flops_per_token, hardware_flops_per_token
 from megagenome.model import DNATransformer
+from megagenome.observe.metrics import flops_per_token, forward_flops_per_token, hardware_flops_per_token
 from megagenome.train.loop import LoopPlan, _train_row
 
 B, T, D, LAYERS, HEADS = 2, 32, 32, 2, 2
@@ -186,7 +186,7 @@ def test_sdpa_agrees_with_the_references():
 
 
 def test_the_summary_names_both_conventions(capsys):
-    from megagenome.summary import print_summary
+    from megagenome.run.summary import print_summary
 
     summary = {
         "run_dir": "r", "parameters": 10, "steps": 3, "train_loss": 1.2, "heldout_bits_per_base": 1.9,

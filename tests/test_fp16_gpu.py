@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.helpers import REPO, cli, copy_genome, tiny_config, write_yaml
 
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -455,7 +455,7 @@ def test_cudnn_attention_with_causal_and_dropout_on_cuda(dropout):
 def test_inference_builds_an_eager_model_from_a_compiled_run():
     """--model.compile is a training option: the model inference, export and scoring build is eager (each window
     or batch shape would recompile a compiled block)."""
-    from megagenome.inference import build_model
+    from megagenome.after_training.inference import build_model
 
     cfg = ModelConfig(d_model=16, n_layer=1, n_head=2, max_seq_len=16, compile=True)
     trained = DNATransformer(cfg, 8)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_check_cells as cells  # noqa: E402
 
-from megagenome.metrics import flops_per_token, gpu_peak  # noqa: E402
+from megagenome.observe.metrics import flops_per_token, gpu_peak  # noqa: E402
 
 H200 = 150_000_000_000  # bytes torch reports for an H200 (~139.7 GiB)
 H100 = 85_000_000_000  # an H100 80GB
@@ -122,7 +122,7 @@ def test_mfu_in_both_conventions():
 
 def test_cells_log_and_sync_only_every_few_steps(tmp_path):
     """A cell's child writes a metrics row, so waits for the device, every plan["log_interval"] steps and at no other
-    step (megagenome/trials.py's trial config logs every step); --warmup and --steps are rounded up to whole rows."""
+    step (run/trials.py's trial config logs every step); --warmup and --steps are rounded up to whole rows."""
     plan = cells.step_plan(5, 10, 5)
     assert plan == {"log_interval": 5, "warmup": 5, "steps": 10, "warmup_rows": 1, "timed_rows": 2, "note": ""}
     rounded = cells.step_plan(3, 12, 5)

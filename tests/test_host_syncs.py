@@ -16,8 +16,8 @@ import pytest
 import torch
 from support.helpers import REPO, copy_genome, tiny_config, world_of_one
 
-from megagenome import pretrain
 from megagenome.config.load import config_from_dict
+from megagenome.run import pretrain
 from megagenome.train.host_syncs import count_host_syncs
 
 STEPS, SYNC, LOG = 8, 3, 6  # sync points after steps 3, 6 (a log step) and 8 (the last: eval, checkpoint)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from support.stand_in import StandInEngine, plan, step_of
 
-from megagenome.metrics import MetricsWriter, read_metrics
-from megagenome.summary import print_summary
+from megagenome.observe.metrics import MetricsWriter, read_metrics
+from megagenome.run.summary import print_summary
 from megagenome.train.loop import TrainingStopped, fit
 
 

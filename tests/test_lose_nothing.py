@@ -22,7 +22,7 @@ import torch
 from support.helpers import PYTHON, REPO, copy_genome, env, tiny_config
 from support.runs import ds, run_worker
 
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # every test reads the runs of the `lose` fixture's three workers
 
@@ -82,7 +82,7 @@ def lose(tmp_path_factory):
         [
             PYTHON,
             "-c",
-            "import sys,time; from megagenome.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "import sys,time; from megagenome.run.lock import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); time.sleep(900)",
             str(root / "locked"),
         ],
@@ -246,8 +246,8 @@ def test_resize_is_recognised_with_a_relative_run_dir(lose, monkeypatch):
     accumulation 2), not refused as another run's."""
     from dataclasses import replace
 
-    from megagenome import assembly
     from megagenome.config.load import load_config
+    from megagenome.run import assembly
 
     monkeypatch.chdir(lose["root"])
     cfg = load_config(str(lose["root"] / "shrink_ref" / "config.yaml"))

@@ -39,8 +39,8 @@ from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config
 
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.metrics import zero_model_state_bytes
 from megagenome.model import DNATransformer
+from megagenome.observe.metrics import zero_model_state_bytes
 
 N = 2
 MODEL = {"d_model": 256, "n_layer": 4, "n_head": 4, "max_seq_len": 128}

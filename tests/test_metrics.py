@@ -1,4 +1,4 @@
-"""FLOP, MFU/HFU and peak accounting (megagenome/metrics.py), checked three ways.
+"""FLOP, MFU/HFU and peak accounting (megagenome/observe/metrics.py), checked three ways.
 
 1. Tier 1, hand counts: the formulas on a tiny model, with the arithmetic written out.
 2. Tier 2, torch's FlopCounterMode on the real model (CPU): the FLOPs of a forward + backward under each
@@ -23,7 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from megagenome.config import LogConfig, ModelConfig, RootConfig, d_ff, validate
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.metrics import (
+from megagenome.model import DNATransformer
+from megagenome.observe.metrics import (
     block_parameters,
     flops_per_token,
     forward_flops_per_token,
@@ -34,7 +35,6 @@ from megagenome.metrics import (
     recompute_flops_per_token,
     resolve_peak,
 )
-from megagenome.model import DNATransformer
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. Hand counts

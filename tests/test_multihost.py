@@ -25,7 +25,7 @@ import pytest
 from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
 from support.netns_hosts import IFNAME, HostsUnavailable, netns_hosts
 
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 PROBE = str(REPO / "tests" / "support" / "netns_hosts.py")
 

@@ -22,7 +22,7 @@ import subprocess
 import pytest
 from support.helpers import REPO, copy_genome, env, free_port, tiny_config, write_yaml
 
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from support.helpers import REPO, cli, copy_genome, tiny_config, write_yaml
 from support.op_build import aio_ready
 
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

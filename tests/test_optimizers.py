@@ -19,12 +19,12 @@ import torch
 from support.helpers import copy_genome, final_ds_config, tiny_config
 from support.runs import STEPS, STOP, assert_equivalent, ds, run_worker, scenario
 
-from megagenome import assembly
 from megagenome.config import ConfigError, ModelConfig, TrainConfig
 from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import DNATransformer
 from megagenome.planner.states import Precision, bytes_per_parameter, model_shapes, model_states
+from megagenome.run import assembly
 from megagenome.train import optimizers
 
 # ----- LAMB against the paper (You et al. 2019, Algorithm 2) ------------------------------------------------------
@@ -188,7 +188,7 @@ def test_muon_flags_are_refused_without_muon(tmp_path):
 
 def test_resume_with_another_optimizer_is_refused(tmp_path):
     """The checkpoint's recorded optimizer must be this run's; one without the field was written by adamw."""
-    from megagenome.resume_checks import optimizer_problems
+    from megagenome.run.resume_checks import optimizer_problems
 
     assert optimizer_problems("ck", {"train_optimizer": "muon"}, _cfg(tmp_path, "muon")) == []
     assert optimizer_problems("ck", {}, _cfg(tmp_path, "adamw")) == []
@@ -201,7 +201,7 @@ def test_resume_with_another_optimizer_is_refused(tmp_path):
 def test_plan_leaves_out_what_the_optimizer_refuses(tmp_path):
     """`megagenome plan` offers only candidates validation accepts: LAMB and Adafactor at ZeRO-0, no ZeRO-3 or
     offload for 8-bit Adam, AdamW everywhere; each left-out stage is named in the notes."""
-    from megagenome import plan
+    from megagenome.planner import plan
     from megagenome.planner.timing import Cluster
 
     stages = {}

@@ -46,13 +46,13 @@ from support.helpers import REPO, cli, copy_genome, final_ds_config, tiny_config
 from support.runs import BF16_LOSS_ATOL, STEPS, STOP, Runs, assert_equivalent, ds, max_abs_diff, run_worker
 from support.saved import param_storages, saved_bytes
 
-from megagenome.assembly import validate
 from megagenome.config import ConfigError, ModelConfig, ParallelConfig
 from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import DNATransformer
 from megagenome.model.layers import Block
 from megagenome.parallel import pipeline
+from megagenome.run.assembly import validate
 
 DROPOUT = 0.1  # only in the resume pair; every equivalence across layouts runs without dropout
 

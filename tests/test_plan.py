@@ -1,4 +1,4 @@
-"""`megagenome plan` (megagenome/plan.py, megagenome/planner/): its predictions against measurements.
+"""`megagenome plan` (megagenome/planner/plan.py, megagenome/planner/): its predictions against measurements.
 
 (a) tiers 2-3: per-rank model-state bytes predicted by the planner against the tensor bytes DeepSpeed holds
     (memory.json, train/memory.py) on 2 CPU ranks, ZeRO 0-3, bf16 / bf16 + fp32 accumulation / fp32, and offload,
@@ -24,8 +24,8 @@ from support.saved import param_storages, saved_bytes
 
 from megagenome.config import ModelConfig, d_ff
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.metrics import flops_per_token
 from megagenome.model import DNATransformer
+from megagenome.observe.metrics import flops_per_token
 from megagenome.planner.activations import (
     ModelShape,
     activation_bytes,

@@ -11,9 +11,9 @@ import json
 import pytest
 from support.helpers import REPO, cli_here
 
-from megagenome import plan
 from megagenome.config.load import config_from_args
-from megagenome.metrics import flops_per_token
+from megagenome.observe.metrics import flops_per_token
+from megagenome.planner import plan
 from megagenome.planner.activations import ModelShape, n_params
 from megagenome.planner.breakdown import (
     ATTENTION_BWD_PER_FWD,

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
 
-from megagenome import preflight
+from megagenome.run import preflight
 
 
 def test_parse_sizes():

@@ -11,8 +11,8 @@ import os
 import pytest
 from support.helpers import cli, copy_genome, launch, tiny_config, write_yaml
 
-from megagenome.dashboards import read_tensorboard, scalars
-from megagenome.metrics import read_metrics
+from megagenome.observe.dashboards import read_tensorboard, scalars
+from megagenome.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
-"""Seeing a run: the TensorBoard and Weights & Biases sinks of metrics.jsonl (megagenome/dashboards.py) and
-`megagenome report` (megagenome/report.py). Tier 1 on synthetic rows, plus one world-of-one training run with W&B
+"""Seeing a run: the TensorBoard and Weights & Biases sinks of metrics.jsonl (megagenome/observe/dashboards.py) and
+`megagenome report` (observe/report.py). Tier 1 on synthetic rows, plus one world-of-one training run with W&B
 offline (a few seconds). The two-rank launcher run of tests/test_pretrain_launch.py checks the event files of a real
 run and its report."""
 
@@ -16,10 +16,10 @@ import pytest
 import yaml
 from support.helpers import PYTHON, REPO, cli, copy_genome, env, tiny_config, write_yaml
 
-from megagenome import report
 from megagenome.config import ConfigError, LogConfig
-from megagenome.dashboards import Dashboards, for_run, read_tensorboard, scalars, wandb_run_id
-from megagenome.metrics import MetricsWriter, read_metrics
+from megagenome.observe import report
+from megagenome.observe.dashboards import Dashboards, for_run, read_tensorboard, scalars, wandb_run_id
+from megagenome.observe.metrics import MetricsWriter, read_metrics
 
 BASELINES = {str(k): 2.0 - 0.01 * k if k < 4 else 1.9 + 0.02 * k for k in range(9)}  # order 3 is the best
 

@@ -1,5 +1,5 @@
-"""Tier 1, real processes and file systems: one run per run directory (megagenome/run_lock.py), and records
-written whole or not at all (megagenome/record.py atomic_write).
+"""Tier 1, real processes and file systems: one run per run directory (megagenome/run/lock.py), and records
+written whole or not at all (megagenome/observe/record.py atomic_write).
 
 A holder process locks a run directory; a second process is refused with the holder's PID and the ways out; once
 the holder is SIGKILLed (no chance to release), a third process takes the lock over and says whose stale lock it
@@ -22,13 +22,13 @@ import textwrap
 import pytest
 from support.helpers import REPO, env
 
-from megagenome.record import write_json
-from megagenome.run_lock import LOCK_FILE, RunLock, RunLocked
+from megagenome.observe.record import write_json
+from megagenome.run.lock import LOCK_FILE, RunLock, RunLocked
 
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from megagenome.run_lock import RunLock
+    from megagenome.run.lock import RunLock
     lock = RunLock(sys.argv[1])
     print(repr(lock.acquire()), flush=True)
     time.sleep(120)
@@ -37,7 +37,7 @@ HOLD = textwrap.dedent(
 TRY = textwrap.dedent(
     """
     import sys
-    from megagenome.run_lock import RunLock, RunLocked
+    from megagenome.run.lock import RunLock, RunLocked
     try:
         print("NOTE", repr(RunLock(sys.argv[1]).acquire()))
     except RunLocked as e:

@@ -22,9 +22,10 @@ from support.helpers import copy_genome
 from support.runs import LOSS_ATOL, WEIGHT_ATOL, ds, max_abs_diff, run_worker, scenario
 
 from megagenome.config import RootConfig, TrainConfig, validate
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 from megagenome.parallel.layout import BatchSizes
-from megagenome.train.ds_config import build_ds_config, scaled_lr
+from megagenome.train.ds_config import scaled_lr
+from megagenome.train.ds_final import build_ds_config
 from megagenome.train.schedules import Schedule, StepScheduler, client_scheduler, scheduler_entry
 
 

@@ -23,13 +23,13 @@ import pytest
 from support.helpers import REPO, copy_genome
 from support.runs import STEPS, STOP, Runs, assert_equivalent, ds, run_worker, scenario
 
-from megagenome import plan
 from megagenome.config import ModelConfig, Region, RootConfig, validate
 from megagenome.data.blend import GroupSampler, Unit
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import build_genome_data
 from megagenome.data.sampler import batch_indices
-from megagenome.metrics import attention_core_forward_flops_per_token
+from megagenome.observe.metrics import attention_core_forward_flops_per_token
+from megagenome.planner import plan
 from megagenome.planner.activations import activation_bytes
 from megagenome.planner.choose import Candidate, Setup, stage_activations
 from megagenome.planner.states import Precision

@@ -27,12 +27,12 @@ import torch
 from support.helpers import REPO, copy_genome, tiny_config
 from support.runs import STEPS, max_abs_diff, run_worker, scenario
 
-from megagenome.assembly import validate
 from megagenome.config import ConfigError, ModelConfig
 from megagenome.config.load import config_from_dict
 from megagenome.model import DNATransformer
 from megagenome.model.layers import RotaryEmbedding
 from megagenome.parallel.sequence import shard_batch
+from megagenome.run.assembly import validate
 from megagenome.train import engine
 
 # sp_checks: largest difference measured / allowed. float64 models still compute the loss in float32

@@ -23,7 +23,7 @@ import pytest
 from support.helpers import PYTHON, REPO, copy_genome, signal_run_config
 from support.helpers import SIGNAL_STEPS as STEPS
 
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 SCRIPTS = {"per_node": "pretrain_per_node.sbatch", "per_rank": "pretrain_per_rank.sbatch"}
 

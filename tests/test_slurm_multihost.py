@@ -45,7 +45,7 @@ from support.slurm_cluster import (
     missing_binaries,
 )
 
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 SCRIPTS = {"per_node": "pretrain_per_node.sbatch", "per_rank": "pretrain_per_rank.sbatch"}
 

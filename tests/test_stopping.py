@@ -21,7 +21,7 @@ from support.helpers import REPO, env
 from support.stand_in import StandInEngine, step_of
 from support.stand_in import plan as loop_plan
 
-from megagenome.metrics import MetricsWriter, read_metrics
+from megagenome.observe.metrics import MetricsWriter, read_metrics
 from megagenome.train.loop import Preempted, fit
 from megagenome.train.stopping import CHECKPOINT, INTERRUPT, SIGINT_EXIT, SIGTERM_EXIT, TERMINATE, StopRequest
 

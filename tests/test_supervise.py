@@ -1,4 +1,4 @@
-"""Tier 1: `python -m megagenome.supervise` with small real commands (the launches with DeepSpeed, signals and a
+"""Tier 1: `python -m megagenome.run.supervise` with small real commands (the launches with DeepSpeed, signals and a
 killed rank are in tests/test_checkpoint_signal.py): its settings come from the pretrain arguments, it restarts
 only what failed, logs each restart, and forwards a signal to the processes running `megagenome pretrain` only."""
 
@@ -12,7 +12,7 @@ import time
 
 from support.helpers import REPO, env, write_yaml
 
-from megagenome.supervise import exit_code, is_rank, settings_of
+from megagenome.run.supervise import exit_code, is_rank, settings_of
 
 # A stand-in for a launch: it counts its runs in <run dir>/runs and exits with the next code of argv[1].
 ATTEMPTS = """
@@ -27,7 +27,7 @@ sys.exit(int(sys.argv[1].split(",")[n]))
 
 
 def supervise(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megagenome.supervise", *args]
+    cmd = [sys.executable, "-m", "megagenome.run.supervise", *args]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -60,7 +60,7 @@ def test_a_failure_is_restarted_with_resume_auto_and_logged(tmp_path):
     assert len(runs) == 2 and runs[1].endswith("--checkpoint.resume none --checkpoint.resume auto")
     rows = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert [(r["attempt"], r["exit_code"], r["max_restarts"], r["resumed_from"]) for r in rows] == [(1, 1, 2, None)]
-    assert "megagenome.supervise: exited with 1; restart 1 of 2 from the start" in done.stderr
+    assert "megagenome.run.supervise: exited with 1; restart 1 of 2 from the start" in done.stderr
 
 
 def test_restarts_stop_at_the_limit_and_never_follow_a_refusal_or_a_requested_stop(tmp_path):
@@ -102,7 +102,7 @@ sys.exit(rank.wait())  # the helper is left running: the supervisor kills the gr
 
 
 def test_sigterm_goes_to_the_ranks_and_nothing_outlives_the_supervisor(tmp_path):
-    cmd = [sys.executable, "-m", "megagenome.supervise", "--", sys.executable, "-c", RANK_AND_HELPER]
+    cmd = [sys.executable, "-m", "megagenome.run.supervise", "--", sys.executable, "-c", RANK_AND_HELPER]
     cmd += ["pretrain", "--log.run_dir", str(tmp_path), "--checkpoint.grace_s", "1"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -3,7 +3,7 @@
 Tier 1 (no processes): the flags are validated before launch; shards merge back into the dense weights.
 
 Tiers 2-3, in three process groups (one launch per world size, each running many scenarios through
-support/worker.py: `megagenome.pretrain.run`, the CLI's code path, and the checks of support/tp_checks.py):
+support/worker.py: `megagenome.run.pretrain.run`, the CLI's code path, and the checks of support/tp_checks.py):
 
 - layers: column/row-parallel linears, the vocabulary-parallel embedding and cross entropy (padding column,
   ignored labels, loss weights) equal torch's dense layers: outputs and gradients within 1e-6 (fp32);
@@ -53,8 +53,8 @@ DROPOUT = 0.1
 
 
 def test_prepare_rejects_an_indivisible_split_before_launch(tmp_path):
-    from megagenome.assembly import validate
     from megagenome.config import ConfigError
+    from megagenome.run.assembly import validate
 
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
     cfg = RootConfig(

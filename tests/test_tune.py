@@ -1,5 +1,5 @@
-"""`megagenome find-micro-batch` (megagenome/tune.py): the search, its arithmetic and its trials' classification
-(megagenome/trials.py); its command-line flags are tested with the CLI's (tests/test_cli.py).
+"""`megagenome find-micro-batch` (megagenome/run/tune.py): the search, its arithmetic and its trials' classification
+(megagenome/run/trials.py); its command-line flags are tested with the CLI's (tests/test_cli.py).
 
 The fast tests drive the search with stand-in trials and a stand-in child process; the slow one searches for real on
 CPU, with a memory budget placed halfway between the peaks measured at micro 4 and micro 5. It asserts on any machine:
@@ -18,7 +18,7 @@ import pytest
 import yaml
 from support.helpers import PYTHON, REPO, copy_genome, env, run_config, tiny_config, write_yaml
 
-from megagenome import trials, tune
+from megagenome.run import trials, tune
 
 GiB = 2**30
 

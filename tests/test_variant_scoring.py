@@ -1,4 +1,4 @@
-"""`megagenome score-variants` (megagenome/variant_scoring.py, data/vcf_scores.py) on finished real DeepSpeed runs
+"""`megagenome score-variants` (after_training/variant_scoring.py, data/vcf_scores.py) on finished real DeepSpeed runs
 (support/trained.py) and a VCF on phiX174 (support/scoring_checks.py: SNVs, an MNV, an insertion, deletions, a `*` and
 a `<DEL>` ALT, variants at both ends of the contig, labels LOF/FUNC and one missing).
 
@@ -31,10 +31,8 @@ import torch.nn.functional as F
 from support.helpers import PYTHON, REPO, env
 from support.scoring_checks import CASES, CONTIG, options, phix_records, write_test_vcf
 
-from megagenome.data.fasta import Genome
-from megagenome.data.tokenizer import MASK_ID, encode, reverse_complement
-from megagenome.inference import World, load_model, mask_every, masked_log_probs, next_base_log_probs
-from megagenome.variant_scoring import (
+from megagenome.after_training.inference import World, load_model, mask_every, masked_log_probs, next_base_log_probs
+from megagenome.after_training.variant_scoring import (
     Plan,
     auroc,
     bootstrap_interval,
@@ -44,6 +42,8 @@ from megagenome.variant_scoring import (
     run,
     variant_windows,
 )
+from megagenome.data.fasta import Genome
+from megagenome.data.tokenizer import MASK_ID, encode, reverse_complement
 
 # ----- without a model ----------------------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@
 # is forwarded the same way; when Slurm ends a job (scancel, the time limit, preemption) it sends SIGTERM to every
 # process of every step itself, then SIGKILL after KillWait (30 s by default). Either way the ranks stop after the same
 # step, save it if that fits in --checkpoint.grace_s (set it below KillWait), and the job exits with 143 (130).
-# In the per-node mode DeepSpeed's launcher runs under `python -m megagenome.supervise`, which passes the signals it
+# In the per-node mode DeepSpeed's launcher runs under `python -m megagenome.run.supervise`, which passes the signals it
 # gets on to the ranks only.
 #
 # Restarts. With --train.max_restarts N, a step that fails (any exit code but 0, 2, 3, 4, 75, 130, 143, and no signal
@@ -148,9 +148,9 @@ mg_node_task() {
   trap '' "$MG_SIGNAL"
   local wrapper=()
   read -r -a wrapper <<<"${MEGAGENOME_WRAPPER:-}"
-  # Under megagenome.supervise (no restarts of its own: mg_run restarts the whole step): SIGTERM/SIGINT and the
+  # Under megagenome.run.supervise (no restarts of its own: mg_run restarts the whole step): SIGTERM/SIGINT and the
   # checkpoint signal that reach it go to the ranks only, so DeepSpeed's launch.py does not SIGKILL them 30 s later.
-  exec "${wrapper[@]}" "$MG_PYTHON" -m megagenome.supervise --max_restarts 0 -- \
+  exec "${wrapper[@]}" "$MG_PYTHON" -m megagenome.run.supervise --max_restarts 0 -- \
     "$MG_PYTHON" -u -m deepspeed.launcher.runner --no_ssh --node_rank "$SLURM_NODEID" \
     --hostfile "$hostfile" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     --enable_each_rank_log "$MG_LOG_DIR/run$MG_RUN" --module megagenome pretrain "$@"
@@ -182,7 +182,7 @@ mg_run() {
   mg_stopped=0
   mg_srun_pid=
   # shellcheck disable=SC2086 # MEGAGENOME_WRAPPER is a command with its arguments
-  max_restarts=$($MEGAGENOME_WRAPPER "$MG_PYTHON" -m megagenome.supervise --print_max_restarts -- pretrain \
+  max_restarts=$($MEGAGENOME_WRAPPER "$MG_PYTHON" -m megagenome.run.supervise --print_max_restarts -- pretrain \
     "${pretrain_args[@]}") || max_restarts=0
   trap '_mg_forward "$MG_SIGNAL"' "$MG_SIGNAL"
   trap '_mg_forward TERM' TERM
@@ -195,12 +195,12 @@ mg_run() {
     rc=$mg_rc
     # Restart a failure (not a refused config, a stopped run, a divergence, a finished run or a stop asked for).
     if [ "$mg_signalled" -eq 1 ] || [ "$mg_stopped" -eq 1 ] || [ "$attempt" -ge "$max_restarts" ]; then break; fi
-    case "$rc" in 0 | 2 | 3 | 4 | 75 | 130 | 143) break ;; esac  # megagenome/supervise.py NO_RESTART
+    case "$rc" in 0 | 2 | 3 | 4 | 75 | 130 | 143) break ;; esac  # megagenome/run/supervise.py NO_RESTART
     attempt=$((attempt + 1))
     # Logs the restart and prints what the restart appends: `--checkpoint.resume auto` once the run directory holds
     # a complete checkpoint (an explicit --checkpoint.resume of another run is kept until then).
     # shellcheck disable=SC2086
-    extra=$($MEGAGENOME_WRAPPER "$MG_PYTHON" -m megagenome.supervise --log_restart "$attempt" "$rc" -- pretrain \
+    extra=$($MEGAGENOME_WRAPPER "$MG_PYTHON" -m megagenome.run.supervise --log_restart "$attempt" "$rc" -- pretrain \
       "${pretrain_args[@]}") || extra=""
     if [ -n "$extra" ] && [ "$resumed" -eq 0 ]; then
       # shellcheck disable=SC2086 # two words: the flag and its value

@@ -9,7 +9,7 @@ import sys
 
 from megagenome.cluster import deepspeed_env as dsenv
 from megagenome.cluster import hostfile as hf
-from megagenome.record import atomic_write
+from megagenome.observe.record import atomic_write
 
 
 def _write_output(output: str, text: str) -> None:

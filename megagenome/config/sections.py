@@ -291,7 +291,7 @@ class TrainConfig:
     --train.on_nonfinite)."""
     max_restarts: int = 0
     """Restarts of a failed job (a crash, a killed rank, a hang) from the last complete checkpoint, by the launch
-    scripts (launch/*.sh, launch/slurm/*.sbatch through `python -m megagenome.supervise`); never after a refused
+    scripts (launch/*.sh, launch/slurm/*.sbatch through `python -m megagenome.run.supervise`); never after a refused
     config (exit 2), a run stopped for a reason a restart would meet again (3: fp16 loss scale at its minimum, a
     failed save), a divergence stop (4), a finished run (0) or a stop you asked for (75, 130, 143)."""
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megagenome import metrics
+from megagenome.observe import metrics
 
 POLICIES = ("none", "selective", "every_k", "full")
 KERNELS = ("flash", "math")

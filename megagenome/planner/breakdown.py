@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagenome import metrics
+from megagenome.observe import metrics
 from megagenome.planner.activations import ModelShape, n_params, recompute_flops_per_token
 
 # Fraction of the dense bf16 peak the weight matmuls reach. Assumed: cuBLAS bf16 GEMMs of a 1B model's shapes

@@ -191,7 +191,7 @@ def model_states(
 
 def paper_bytes(psi: int, stage: int, dp: int) -> float:
     """The ZeRO paper's per-rank model states for mixed-precision Adam (docs/architecture.md)."""
-    from megagenome.metrics import zero_model_state_bytes
+    from megagenome.observe.metrics import zero_model_state_bytes
 
     return zero_model_state_bytes(psi, stage, dp)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megagenome.metrics import flops_per_token
+from megagenome.observe.metrics import flops_per_token
 from megagenome.planner.activations import ModelShape, n_params, recompute_flops_per_token
 from megagenome.planner.states import DS_DEFAULTS, Precision
 
@@ -51,7 +51,7 @@ class Cluster:
     gpu_memory_gb: float = 80.0
     """Memory per GPU in GiB."""
     gpu: str = "H100"
-    """GPU name, looked up in the bf16 dense peak table of megagenome/metrics.py (A100, H100, H200, V100, ...)."""
+    """GPU name, looked up in the bf16 dense peak table of observe/metrics.py (A100, H100, H200, V100, ...)."""
     peak_tflops: float | None = None
     """Dense 16-bit peak TFLOP/s per GPU; overrides the table entry for --gpu."""
     intra_node_gbps: float = 360.0

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megagenome.train.loop import TrainingStopped
+from megagenome.train.stopping import TrainingStopped
 
 DIVERGED_EXIT = 4
 

@@ -3,7 +3,8 @@
 `--train.ds_config` names one JSON file or an ordered list of fragments. This module merges them deep (a leaf set
 differently by two fragments is an error naming both files), rejects what DeepSpeed would silently ignore or get
 wrong (unknown keys at every level, keys the run config owns, combinations DeepSpeed 0.19.8 refuses late or
-mishandles), and builds the exact dict handed to deepspeed.initialize (`build_ds_config`). It never imports
+mishandles), and reads what a merged dict says (ZeRO stage, precision, offload). train/ds_final.py builds the exact dict
+handed to deepspeed.initialize from it. It never imports
 deepspeed, so `megagenome plan` and `pretrain --dry_run` merge and check a config without loading the engine;
 train/engine.py is the runtime seam.
 
@@ -20,10 +21,8 @@ import json
 from collections.abc import Callable
 
 from megagenome.config.sections import TrainConfig
-from megagenome.parallel.layout import BatchSizes
 from megagenome.train import ds_schema
 from megagenome.train.ds_schema import unknown_key_problems as _unknown
-from megagenome.train.schedules import scheduler_entry
 
 # Top-level keys DeepSpeed 0.19 reads. DeepSpeed silently ignores anything else, so a typo such as
 # "zero_optimisation" would train without ZeRO; we reject unknown keys instead.
@@ -393,33 +392,3 @@ def adam_choice(ds: dict, torch_adam: bool | None, on_gpu: bool) -> dict:
     if use_torch and on_gpu and not offloaded:
         params["fused"] = True
     return params
-
-
-def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: bool, on_gpu: bool) -> dict:
-    """The exact dict given to deepspeed.initialize: the JSON plus the keys the run config owns (batch sizes from the
-    layout, optimizer and schedule from --train.*, checkpoint.load_universal from --checkpoint.universal)."""
-    merged = json.loads(json.dumps(ds))  # deep copy; the JSON file's dict is never mutated
-    merged.setdefault("steps_per_print", 10**9)  # our loop does the logging
-    lr, min_lr = scaled_lr(train, batch.global_batch)
-    merged.update(
-        {
-            "train_micro_batch_size_per_gpu": batch.micro,
-            "gradient_accumulation_steps": batch.grad_accum,
-            "train_batch_size": batch.global_batch,
-            "gradient_clipping": train.grad_clip,
-        }
-    )
-    from megagenome.train import optimizers  # it reads this module's helpers: imported here, not at the top
-
-    merged.update(optimizers.ds_entries(ds, train, lr, on_gpu))  # "optimizer", or a client optimizer's keys
-    scheduler = scheduler_entry(train, lr, min_lr)  # None: the engine gets a client scheduler (train/schedules.py)
-    if scheduler is not None:
-        merged["scheduler"] = scheduler
-    if universal:
-        merged.setdefault("checkpoint", {})["load_universal"] = True
-    if train.nvme_path:
-        zero = merged.get("zero_optimization", {})
-        for key in ("offload_param", "offload_optimizer"):
-            if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme":
-                zero[key]["nvme_path"] = train.nvme_path
-    return merged

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from megagenome.data.curriculum import Curriculum
-from megagenome.metrics import MetricsWriter, bits_per_base
-from megagenome.train.stopping import PREEMPTED_EXIT, Stop, StopRequest
+from megagenome.observe.metrics import MetricsWriter, bits_per_base
+from megagenome.train.stopping import PREEMPTED_EXIT, Preempted, Stop, StopRequest, TrainingStopped
 from megagenome.train.sync_points import Cadence, Done, act_on_verdicts, agree
 
 
@@ -402,20 +402,6 @@ def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tok
         "loss_scale": _loss_scale(engine),
         "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
     }
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot go on (e.g. fp16 overflow at the minimum loss scale); a checkpoint was saved first."""
-
-    exit_code = 3
-
-
-class Preempted(TrainingStopped):
-    """A signal stopped the run on every rank after `step` (train/stopping.py). After the checkpoint signal that
-    step's checkpoint is saved and exit_code is PREEMPTED_EXIT (75); after SIGTERM (143) or SIGINT (130) it is saved
-    when it fitted in the grace period (`saved`). Resuming continues exactly where the saved checkpoint stopped."""
-
-    exit_code = PREEMPTED_EXIT
 
     def __init__(self, message: str, step: int, exit_code: int = PREEMPTED_EXIT, saved: bool = True):
         super().__init__(message)

@@ -5,8 +5,8 @@ and benchmarks.
 
 from __future__ import annotations
 
-from megagenome.metrics import zero_model_state_bytes
-from megagenome.record import write_json
+from megagenome.observe.metrics import zero_model_state_bytes
+from megagenome.observe.record import write_json
 from megagenome.train import ds_config as dsc
 from megagenome.train import engine as ds
 

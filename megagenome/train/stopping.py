@@ -11,7 +11,7 @@ checkpoint load is not lost) and watches, until close():
     SIGINT                  Ctrl-C: as SIGTERM, exit code 130
     the launcher's death    under a launcher (LOCAL_RANK set), a thread polls the rank's parent (DeepSpeed's
                             launcher/launch.py, torchrun's agent or slurmstepd), the `deepspeed` runner above
-                            launch.py, and `python -m megagenome.supervise` when it is an ancestor; once one is
+                            launch.py, and `python -m megagenome.run.supervise` when it is an ancestor; once one is
                             gone, it is taken exactly as SIGTERM ("the launcher (pid N) is gone"): no rank outlives
                             the launcher that started it
 
@@ -29,7 +29,7 @@ The deadline: grace_s after its SIGTERM/SIGINT (or after it learnt of one from a
 (blocked in a collective with a dead peer, a save that does not end) prints one line and leaves with os._exit(code).
 The newest complete checkpoint stays intact: a checkpoint is published by its COMPLETE marker, written last. Under
 DeepSpeed's launcher, launch.py sends SIGTERM to every rank once one has exited non-zero and SIGKILLs them 30 s
-later, so a SIGTERM that reaches launch.py itself gives at most ~30 s; `python -m megagenome.supervise` (which the
+later, so a SIGTERM that reaches launch.py itself gives at most ~30 s; `python -m megagenome.run.supervise` (which the
 launch scripts use) signals the ranks only, so the full grace period applies.
 
 Exit codes of `megagenome pretrain` (and of the launchers, which pass on the first failing rank's code):
@@ -252,3 +252,17 @@ def _gone(processes: list) -> int | None:
     if processes and os.getppid() != processes[0].pid:
         return processes[0].pid  # re-parented: our parent is gone, whatever reuses its pid
     return None
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. fp16 overflow at the minimum loss scale); a checkpoint was saved first."""
+
+    exit_code = 3
+
+
+class Preempted(TrainingStopped):
+    """A signal stopped the run on every rank after `step` (train/stopping.py). After the checkpoint signal that
+    step's checkpoint is saved and exit_code is PREEMPTED_EXIT (75); after SIGTERM (143) or SIGINT (130) it is saved
+    when it fitted in the grace period (`saved`). Resuming continues exactly where the saved checkpoint stopped."""
+
+    exit_code = PREEMPTED_EXIT

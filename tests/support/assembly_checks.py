@@ -1,4 +1,4 @@
-"""Checks of megagenome/assembly.py run inside a worker's process group (a test worker's, not a test).
+"""Checks of megagenome/run/assembly.py run inside a worker's process group (a test worker's, not a test).
 
 `from_run_dir_evaluates(run_dir, trained)`: assemble the finished run in `trained` again from its directory
 (assembly.from_run_dir: its config.yaml, its newest complete checkpoint) in this world, evaluate its held-out
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from megagenome import assembly
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
+from megagenome.run import assembly
 
 
 def from_run_dir_evaluates(run_dir: str, trained: str) -> None:

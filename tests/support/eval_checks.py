@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from megagenome.evaluate import evaluate
-from megagenome.inference import load_model
+from megagenome.after_training.evaluate import evaluate
+from megagenome.after_training.inference import load_model
 
 # (name, run, evaluate kwargs): batch size 3 makes batches that do not divide evenly over the ranks.
 CASES = [

@@ -11,9 +11,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from megagenome import assembly
+from megagenome.after_training.export import export
+from megagenome.after_training.weights import read_export, shard
 from megagenome.config.load import config_from_dict
-from megagenome.export import export, read_export, shard
+from megagenome.run import assembly
 from support.helpers import tiny_config
 
 

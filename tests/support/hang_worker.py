@@ -13,8 +13,8 @@ import argparse
 import os
 import time
 
-from megagenome import pretrain
 from megagenome.config.load import load_config
+from megagenome.run import pretrain
 
 
 def stuck_forever() -> None:

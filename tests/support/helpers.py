@@ -138,10 +138,10 @@ def world_of_one():
 
 def final_ds_config(fragment: dict, train=None) -> dict:
     """The dict pretrain would give deepspeed.initialize for a DeepSpeed JSON `fragment`, one rank, the default
-    run config's batch, optimizer and schedule (or `train`'s): train/ds_config.py build_ds_config."""
+    run config's batch, optimizer and schedule (or `train`'s): train/ds_final.py build_ds_config."""
     from megagenome.config import TrainConfig
     from megagenome.parallel.layout import ParallelLayout
-    from megagenome.train.ds_config import build_ds_config
+    from megagenome.train.ds_final import build_ds_config
 
     train = train or TrainConfig()
     return build_ds_config(fragment, ParallelLayout(1).batch(train), train, universal=False, on_gpu=False)

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from megagenome.config import ModelConfig
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 from megagenome.parallel import pipeline
 from megagenome.parallel.tensor_parallel import merge_shards
 from support.helpers import BIN, PYTHON, REPO, env, free_port, tiny_config

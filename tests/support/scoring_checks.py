@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
+from megagenome.after_training.inference import World, start_world
+from megagenome.after_training.variant_scoring import Options, run
 from megagenome.data.fasta import Genome
-from megagenome.inference import World, start_world
-from megagenome.variant_scoring import Options, run
 
 CONTIG = "NC_001422.1"
 

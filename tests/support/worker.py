@@ -28,8 +28,8 @@ import sys
 import time
 import traceback
 
-from megagenome import pretrain
 from megagenome.config.load import config_from_dict
+from megagenome.run import pretrain
 from megagenome.train import engine
 
 

@@ -25,18 +25,19 @@ from dataclasses import replace
 
 import torch
 
-from megagenome import assembly, console, dashboards, resume_checks, summary
-from megagenome.assembly import Run, Validated
 from megagenome.config import ConfigError, RootConfig, config_hash, resume_record, signal_number, to_dict
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import GenomeData
-from megagenome.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak, run_flops
 from megagenome.model import attention_summary
+from megagenome.observe import console, dashboards
+from megagenome.observe.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak, run_flops
+from megagenome.observe.record import env_record, write_json, write_yaml
 from megagenome.parallel import pipeline, tensor_parallel
 from megagenome.parallel.sequence import shard_batch
-from megagenome.record import env_record, write_json, write_yaml
-from megagenome.run_lock import RunLock, RunLocked
-from megagenome.train import checkpoint, ds_config, loop
+from megagenome.run import assembly, resume_checks, summary
+from megagenome.run.assembly import Run, Validated
+from megagenome.run.lock import RunLock, RunLocked
+from megagenome.train import checkpoint, ds_config, ds_final, loop
 from megagenome.train import engine as ds
 from megagenome.train.divergence import Guard, guard_optimizer
 from megagenome.train.loop import LoopPlan, StopRequest, TokenCounter, TrainingStopped, fit
@@ -56,7 +57,7 @@ def dry_run(cfg: RootConfig, config_files: list[str], args: list[str]) -> dict:
     validated = assembly.validate(cfg, config_files, world_size, runtime=False)
     validated.data.close()
     on_gpu = torch.cuda.is_available()
-    final = ds_config.build_ds_config(validated.ds_json, validated.batch, cfg.train, cfg.checkpoint.universal, on_gpu)
+    final = ds_final.build_ds_config(validated.ds_json, validated.batch, cfg.train, cfg.checkpoint.universal, on_gpu)
     shown = [a for a in args if a != "--dry_run"]
     command = ["deepspeed", "--num_gpus", str(world_size), "--module", "megagenome", "pretrain", *shown]
     print(json.dumps(final, indent=2))

@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megagenome import resume_checks
 from megagenome.config import ConfigError, RootConfig, config_differences, config_hash
 from megagenome.config import validate as validate_config
 from megagenome.config.load import load_config, locate
@@ -39,7 +38,8 @@ from megagenome.parallel.layout import BatchSizes, LayoutError, ParallelLayout
 from megagenome.parallel.sequence import shard_batch
 from megagenome.parallel.state import ParallelState
 from megagenome.parallel.tensor_parallel import TensorParallelLayers
-from megagenome.train import checkpoint, ds_config, optimizers, schedules
+from megagenome.run import resume_checks
+from megagenome.train import checkpoint, ds_config, ds_final, optimizers, schedules
 from megagenome.train import engine as ds
 from megagenome.train.loop import evaluate, forward_sums
 
@@ -211,7 +211,7 @@ class Run:
 def assemble(validated: Validated, ranks: Ranks) -> Run:
     """The model stage and the engine stage: this rank's model, then DeepSpeed around it."""
     cfg, layout = validated.cfg, validated.layout
-    ds_conf = ds_config.build_ds_config(
+    ds_conf = ds_final.build_ds_config(
         validated.ds_json, validated.batch, cfg.train, cfg.checkpoint.universal, ds.on_gpu()
     )
     if ds.on_gpu():
@@ -256,7 +256,7 @@ def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[DNATransformer
     layers = TensorParallelLayers(state, seed=cfg.train.seed) if state.tp > 1 else None
     model = DNATransformer(cfg.model, VOCAB_SIZE, layers)
     if cfg.model.init_from:  # an export's weights (this rank's shard); a resumed run's checkpoint then replaces them
-        from megagenome.export import init_from
+        from megagenome.after_training.weights import init_from
 
         init_from(model, cfg.model, state.get_tensor_model_parallel_rank(), state.tp)
     checkpoint_fn = ds.activation_checkpoint_function(ds_conf, mpu=state)
@@ -269,7 +269,7 @@ def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[DNATransformer
 
 def _teacher(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> Teacher:
     """The frozen teacher of --train.distill_from, whole on this rank's device in the run's precision."""
-    from megagenome.inference import DTYPES, build_model, read_weights
+    from megagenome.after_training.inference import DTYPES, build_model, read_weights
 
     flag = f"--train.distill_from={cfg.train.distill_from}"
     try:

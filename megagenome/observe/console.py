@@ -3,7 +3,7 @@ eval rows, checkpoints, the summary), errors and tracebacks, and the DeepSpeed w
 INFO lines, its debug prints and torch's deprecation warnings go to <run dir>/logs/ instead of vanishing:
 
     <run dir>/logs/launcher.log  every DeepSpeed log line of the launch (launch/local.sh, multinode.sh, no_ssh.sh
-                                 pipe their stdout through `python -m megagenome.console route`): the runner's
+                                 pipe their stdout through `python -m megagenome.observe.console route`): the runner's
                                  command, the world info, CUDA_VISIBLE_DEVICES, each rank spawned and how it exited
     <run dir>/logs/rank<N>.log   rank N's DeepSpeed logger at INFO, its Python warnings, and what DeepSpeed prints
                                  while the engine is built and a checkpoint loaded (the bf16_optimizer memory lines)
@@ -84,7 +84,7 @@ def route(source, console, log_path: str | None) -> None:
                 log.write(text if text.endswith("\n") else text + "\n")
                 log.flush()
             except OSError as e:  # no log after all: from here on nothing is left out
-                print(f"megagenome.console: cannot write {log_path} ({e}); showing every line", file=sys.stderr)
+                print(f"megagenome.observe.console: cannot write {log_path} ({e}); showing every line", file=sys.stderr)
                 log_path = None
         if console is not None and (log_path is None or console_line(text)):
             try:
@@ -167,10 +167,10 @@ def run_dir_of(args: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m megagenome.console run-dir PRETRAIN_ARGS...` prints the run directory (nothing when unknown);
-    `python -m megagenome.console route [RUN_DIR]` copies stdin to stdout as `route` does, logging DeepSpeed's
+    """`python -m megagenome.observe.console run-dir PRETRAIN_ARGS...` prints the run directory (nothing when unknown);
+    `python -m megagenome.observe.console route [RUN_DIR]` copies stdin to stdout as `route` does, logging DeepSpeed's
     lines to RUN_DIR/logs/launcher.log. The router ignores SIGINT, SIGTERM and SIGHUP: it ends when the launch's last
-    process closes its output, and a Ctrl-C is the supervisor's to handle (megagenome/supervise.py)."""
+    process closes its output, and a Ctrl-C is the supervisor's to handle (megagenome/run/supervise.py)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run-dir"]:
         found = run_dir_of(argv[1:])
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = argv[1] if len(argv) == 2 and argv[1] else None
         route(sys.stdin.buffer, sys.stdout.buffer, os.path.join(log_dir(run_dir), "launcher.log") if run_dir else None)
         return 0
-    print("usage: python -m megagenome.console {run-dir PRETRAIN_ARGS... | route [RUN_DIR]}", file=sys.stderr)
+    print("usage: python -m megagenome.observe.console {run-dir PRETRAIN_ARGS... | route [RUN_DIR]}", file=sys.stderr)
     return 2
 
 

@@ -40,7 +40,7 @@ from megagenome.data.fasta import Genome
 from megagenome.data.intervals import SplitError, build_split, n_free_intervals, restrict
 from megagenome.data.prepared import sha256_file
 from megagenome.data.tokenizer import N_ID, encode
-from megagenome.record import atomic_write
+from megagenome.observe.record import atomic_write
 
 
 class ManifestError(ValueError):

@@ -25,11 +25,11 @@ import sys
 import tempfile
 from collections.abc import Callable
 
-from megagenome import assembly
 from megagenome.config import ConfigError, RootConfig
+from megagenome.observe.record import write_json
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.record import write_json
-from megagenome.trials import (
+from megagenome.run import assembly
+from megagenome.run.trials import (
     FITS,
     KILLED,
     NOT_FITTING,

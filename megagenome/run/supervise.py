@@ -1,7 +1,7 @@
-"""`python -m megagenome.supervise [--max_restarts N] -- COMMAND...` (layer L5): run a launch of `megagenome
+"""`python -m megagenome.run.supervise [--max_restarts N] -- COMMAND...` (layer L5): run a launch of `megagenome
 pretrain` so that signals reach every rank, no process outlives it, and a failed run is restarted.
 
-    python -m megagenome.supervise -- deepspeed --num_gpus 8 --module megagenome pretrain --config run.yaml
+    python -m megagenome.run.supervise -- deepspeed --num_gpus 8 --module megagenome pretrain --config run.yaml
 
 The launch scripts (launch/local.sh, multinode.sh, no_ssh.sh and the Slurm per-node template) run DeepSpeed's
 launcher under it. Before it starts COMMAND it checks the pretrain arguments once (launch_problems: the flags, the
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from megagenome.config import RootConfig, signal_number
 
-PROG = "megagenome.supervise"
+PROG = "megagenome.run.supervise"
 NO_RESTART = frozenset({0, 2, 3, 4, 75, 130, 143})
 """Exit codes never restarted: done, refused config, training stopped (fp16 loss scale at its minimum, a save that
 failed: a restart would meet the same), diverged, and the stops that were asked for."""

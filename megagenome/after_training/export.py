@@ -33,20 +33,22 @@ import sys
 
 import torch
 
-from megagenome import hf_llama, quantize
-from megagenome.config import ConfigError, ModelConfig
+from megagenome.after_training import hf_llama, quantize
+from megagenome.after_training.weights import (
+    DTYPES,
+    EXPORT_MANIFEST,
+    FORMAT,
+    FORMAT_VERSION,
+    WEIGHTS,
+    build_model,
+    read_weights,
+)
+from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB, VOCAB_SIZE
-from megagenome.inference import DTYPES, EXPORT_MANIFEST, build_model, read_weights
-from megagenome.metrics import read_metrics
-from megagenome.model import DNATransformer
 from megagenome.model.transformer import dense_parameters
-from megagenome.parallel.tensor_parallel import partition_dim
+from megagenome.observe.metrics import read_metrics
 from megagenome.train import checkpoint
-from megagenome.train.consolidate import CheckpointError, check_shapes
 
-FORMAT = "megagenome-export"
-FORMAT_VERSION = 1
-WEIGHTS = "model.safetensors"
 PROG = "megagenome export"
 
 
@@ -257,7 +259,10 @@ def model_card(manifest: dict) -> str:
             'ids = tok("ACGTACGT", return_tensors="pt").input_ids',
             "out = model.generate(ids, max_new_tokens=32, do_sample=True)  # bases only",
         ]
-    lines += ["from megagenome.inference import load_model", 'loaded = load_model("DIR")  # megagenome.DNATransformer']
+    lines += [
+        "from megagenome.after_training.inference import load_model",
+        'loaded = load_model("DIR")  # megagenome.DNATransformer',
+    ]
     lines += ["```", "", "Continue pretraining from it with `megagenome pretrain ... --model.init_from DIR`.", ""]
     if "int8" in manifest:
         lines += _int8_card(manifest["int8"])
@@ -278,7 +283,7 @@ def _int8_card(q: dict) -> list[str]:
     return [
         "## INT8",
         "",
-        f"`{q['file']}`: {q['scheme']}. Load it with `megagenome.export.load_int8(DIR)`.",
+        f"`{q['file']}`: {q['scheme']}. Load it with `megagenome.after_training.weights.load_int8(DIR)`.",
         "",
         "| | float32 | int8 |",
         "|---|---|---|",
@@ -288,100 +293,3 @@ def _int8_card(q: dict) -> list[str]:
         f"bits/base measured on {q['eval_data']}: {q['eval_windows']} windows, {q['eval_bases']:g} scored bases.",
         "",
     ]
-
-
-# ----- reading an export back -------------------------------------------------------------------------------------
-
-
-def read_manifest(path: str) -> dict:
-    try:
-        with open(os.path.join(path, EXPORT_MANIFEST), encoding="utf-8") as fh:
-            manifest = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a `megagenome export` directory ({EXPORT_MANIFEST}: {e})") from e
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: {EXPORT_MANIFEST} is format {manifest.get('format')} version {manifest.get('format_version')}, "
-            f"this megagenome reads {FORMAT} version {FORMAT_VERSION}"
-        )
-    return manifest
-
-
-def read_export(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(the model config, the dense weights with DNATransformer's keys, in the stored dtype) of an export directory;
-    lm_head.weight is embed.weight when tied."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    manifest = read_manifest(path)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(manifest["model"]) - fields)
-    if unknown:
-        raise CheckpointError(f"{path}: {EXPORT_MANIFEST} has model fields this megagenome does not know: {unknown}")
-    model_cfg = ModelConfig(**manifest["model"])
-    try:
-        weights = load_file(os.path.join(path, manifest["weights"]))
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{path}: cannot read {manifest['weights']}: {e}") from e
-    if manifest["weight_names"] == "llama":
-        try:
-            state = hf_llama.from_llama(weights, model_cfg)
-        except KeyError as e:
-            raise CheckpointError(f"{path}: {e.args[0]}") from e
-    else:
-        state = dict(weights)
-        if model_cfg.tie_embeddings and "embed.weight" in state:
-            state["lm_head.weight"] = state["embed.weight"]
-    check_shapes(state, model_cfg, path)
-    return model_cfg, state
-
-
-def load_int8(path: str) -> DNATransformer:
-    """The int8 model of an export written with --quantize int8, in eval mode on CPU."""
-    manifest = read_manifest(path)
-    if "int8" not in manifest:
-        raise CheckpointError(f"{path}: exported without --quantize int8 (no {quantize.INT8_WEIGHTS})")
-    model_cfg, _ = read_export(path)
-    return quantize.load_int8(model_cfg, os.path.join(path, manifest["int8"]["file"]))
-
-
-# ----- --model.init_from ------------------------------------------------------------------------------------------
-
-
-def init_from(model: torch.nn.Module, run_model: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-    """Load the weights of the export `run_model.init_from` into `model`, this rank's DNATransformer (its
-    tensor-parallel shard when tp_size > 1), before DeepSpeed wraps it. ConfigError when the export cannot be read
-    or its model is not this run's shape (naming the tensor); max_seq_len, rope_theta, the rotary scaling, dropout and
-    the rest of what no tensor holds may differ (a longer context: README "Context extension")."""
-    path = run_model.init_from
-    flag = f"--model.init_from={path}"
-    try:
-        export_cfg, state = read_export(path)
-    except CheckpointError as e:
-        raise ConfigError([f"{flag}: {e}"]) from e
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DNATransformer(run_model, VOCAB_SIZE).state_dict().items()}
-    shape = f"d_model={export_cfg.d_model}, n_layer={export_cfg.n_layer}, n_head={export_cfg.n_head}"
-    problems = [
-        f"{flag}: tensor {k} is {list(state[k].shape)} in the export ({shape}), this run's model needs {list(want)}"
-        for k, want in expected.items()
-        if k in state and tuple(state[k].shape) != want
-    ]
-    problems += [f"{flag}: the export has no tensor {k}, this run's model needs it" for k in expected if k not in state]
-    problems += [f"{flag}: the export's tensor {k} is not in this run's model" for k in state if k not in expected]
-    if problems:
-        raise ConfigError(problems[:3] + ([f"... {len(problems) - 3} more"] if len(problems) > 3 else []))
-    local = {k: shard(k, v, tp_rank, tp_size) for k, v in state.items()}
-    with torch.no_grad():
-        model.load_state_dict(local, strict=True)
-
-
-def shard(name: str, weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Tensor-parallel rank `rank`'s slice of the dense weight `name` (parallel/tensor_parallel.py splits a weight
-    into `size` contiguous chunks along its partition_dim); the whole weight when it is replicated."""
-    dim = partition_dim(name)
-    if dim is None or size == 1:
-        return weight
-    if weight.size(dim) % size:
-        raise ConfigError([f"tensor {name} {list(weight.shape)}: dimension {dim} does not split into {size} shards"])
-    return weight.chunk(size, dim=dim)[rank]

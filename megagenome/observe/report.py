@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from megagenome.metrics import read_metrics
+from megagenome.observe.metrics import read_metrics
 
 
 class ReportError(Exception):

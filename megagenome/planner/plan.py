@@ -19,8 +19,8 @@ from megagenome.config import RootConfig, d_ff
 from megagenome.config.checks import seq_warmup_problems
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.metrics import peak_tflops
 from megagenome.model.transformer import padded_vocab_size
+from megagenome.observe.metrics import peak_tflops
 from megagenome.parallel.layout import LayoutError, ParallelLayout
 from megagenome.planner.activations import ModelShape, n_params
 from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
@@ -83,7 +83,9 @@ def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tu
     if cluster.latency_us < 0 or cluster.runtime_gb < 0 or cluster.cpu_memory_gb < 0:
         problems.append("--latency_us, --runtime_gb and --cpu_memory_gb must be non-negative")
     if cluster.peak_tflops is None and peak_tflops(cluster.gpu) is None:
-        problems.append(f"--gpu={cluster.gpu!r}: not in the peak table of megagenome/metrics.py; give --peak_tflops")
+        problems.append(
+            f"--gpu={cluster.gpu!r}: not in the peak table of megagenome/observe/metrics.py; give --peak_tflops"
+        )
     if cluster.peak_tflops is not None and not cluster.peak_tflops > 0:
         problems.append(f"--peak_tflops={cluster.peak_tflops}: must be positive")
     if cluster.hbm_tbps is not None and not cluster.hbm_tbps > 0:

@@ -13,18 +13,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from megagenome.after_training.weights import DTYPES, build_model, read_weights
 from megagenome.config import ModelConfig, RootConfig
-from megagenome.data.tokenizer import MASK_ID, VOCAB_SIZE
+from megagenome.data.tokenizer import MASK_ID
 from megagenome.model import DNATransformer
-from megagenome.train.consolidate import CheckpointError, run_weights
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-EXPORT_MANIFEST = "megagenome.json"  # what marks a `megagenome export` directory
 
 
 @dataclass
@@ -49,24 +46,6 @@ class Loaded:
         return self.model.embed.weight.device
 
 
-def read_weights(
-    path: str, step: int | None = None
-) -> tuple[ModelConfig, dict[str, torch.Tensor], str, RootConfig | None]:
-    """(model config, dense weights with DNATransformer's keys, the directory read, the run config or None) of a run
-    directory (its newest complete checkpoint, or that of `step`) or a `megagenome export` directory."""
-    if os.path.isfile(os.path.join(path, EXPORT_MANIFEST)):
-        if step is not None:
-            raise CheckpointError(f"{path} is an export directory: it holds one set of weights, --step does not apply")
-        from megagenome.export import read_export
-
-        model_cfg, state = read_export(path)
-        return model_cfg, state, path, None
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such directory (give a run directory or a `megagenome export` directory)")
-    cfg, state, tag = run_weights(path, step)
-    return cfg.model, state, tag, cfg
-
-
 def load_model(path: str, step: int | None = None, dtype: str = "fp32", device: str | None = None) -> Loaded:
     """The dense model of a run directory or export directory, in eval mode, in `dtype` on `device` (default: this
     rank's accelerator, else CPU). Dropout is off and activation checkpointing is not used at inference."""
@@ -74,18 +53,6 @@ def load_model(path: str, step: int | None = None, dtype: str = "fp32", device: 
     model = build_model(model_cfg, state)
     model.to(device=torch.device(device) if device else default_device(), dtype=DTYPES[dtype]).eval()
     return Loaded(model, model_cfg, source, run_cfg)
-
-
-def build_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> DNATransformer:
-    """A DNATransformer on CPU holding `state` (fp32 master copies become the parameters' fp32). Eager: the training
-    run's --model.compile is not carried over (windows and batches of any shape would each recompile)."""
-    with torch.random.fork_rng(devices=[]):
-        model = DNATransformer(replace(model_cfg, compile=False), VOCAB_SIZE)
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model_cfg.tie_embeddings)]
-    if missing or unexpected:
-        raise CheckpointError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
-    return model
 
 
 def default_device() -> torch.device:

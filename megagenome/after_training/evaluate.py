@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megagenome.after_training.inference import World, batched, load_model, log_probs, pad_batch, start_world
 from megagenome.config import parse_region
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import N_ID, TokenizerError, encode, reverse_complement
-from megagenome.inference import World, batched, load_model, log_probs, pad_batch, start_world
 from megagenome.train.consolidate import CheckpointError
 
 PROG = "megagenome eval"

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from megagenome.config import RootConfig, to_dict
-from megagenome.record import write_yaml
+from megagenome.observe.record import write_yaml
 
 GiB = 2**30
 

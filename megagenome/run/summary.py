@@ -17,8 +17,8 @@ import numpy as np
 from megagenome.config import RootConfig
 from megagenome.data.dataset import GenomeData
 from megagenome.data.markov import markov_bits_per_base
-from megagenome.metrics import read_metrics
-from megagenome.record import write_json
+from megagenome.observe.metrics import read_metrics
+from megagenome.observe.record import write_json
 from megagenome.train import checkpoint
 
 

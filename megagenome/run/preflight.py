@@ -33,9 +33,9 @@ import socket
 import sys
 import uuid
 
-from megagenome import assembly
 from megagenome.config import ConfigError, RootConfig, to_dict
-from megagenome.record import git_commit
+from megagenome.observe.record import git_commit
+from megagenome.run import assembly
 from megagenome.train import engine as ds
 
 DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"

@@ -41,11 +41,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from megagenome.after_training.inference import (
+    Loaded,
+    World,
+    batched,
+    interleave,
+    load_model,
+    log_probs,
+    pad_batch,
+    start_world,
+)
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import MASK_ID, TokenizerError, encode, reverse_complement
 from megagenome.data.variants import VariantError
 from megagenome.data.vcf_scores import Site, check_refs, labelled_alts, read_sites, write_scored, write_text, write_tsv
-from megagenome.inference import Loaded, World, batched, interleave, load_model, log_probs, pad_batch, start_world
 from megagenome.train.consolidate import CheckpointError
 
 PROG = "megagenome score-variants"

@@ -1,0 +1,151 @@
+"""A trained model's weights (layer L4): read whole from a run directory (any checkpoint layout, consolidated by
+train/consolidate.py) or a `megagenome export` directory, built into a dense model, and loaded into a new run's
+model (`--model.init_from`, this rank's tensor-parallel shard).
+
+An export directory is marked by its manifest, megagenome.json (EXPORT_MANIFEST); export.py writes it and this
+module reads it back, so that inference, export and the assembly of a run all read weights one way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import replace
+
+import torch
+
+from megagenome.after_training import hf_llama, quantize
+from megagenome.config import ConfigError, ModelConfig, RootConfig
+from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.model import DNATransformer
+from megagenome.parallel.tensor_parallel import partition_dim
+from megagenome.train.consolidate import CheckpointError, check_shapes, run_weights
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EXPORT_MANIFEST = "megagenome.json"  # what marks a `megagenome export` directory
+FORMAT = "megagenome-export"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+
+
+def read_weights(
+    path: str, step: int | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor], str, RootConfig | None]:
+    """(model config, dense weights with DNATransformer's keys, the directory read, the run config or None) of a run
+    directory (its newest complete checkpoint, or that of `step`) or a `megagenome export` directory."""
+    if os.path.isfile(os.path.join(path, EXPORT_MANIFEST)):
+        if step is not None:
+            raise CheckpointError(f"{path} is an export directory: it holds one set of weights, --step does not apply")
+        model_cfg, state = read_export(path)
+        return model_cfg, state, path, None
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such directory (give a run directory or a `megagenome export` directory)")
+    cfg, state, tag = run_weights(path, step)
+    return cfg.model, state, tag, cfg
+
+
+def build_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> DNATransformer:
+    """A DNATransformer on CPU holding `state` (fp32 master copies become the parameters' fp32). Eager: the training
+    run's --model.compile is not carried over (windows and batches of any shape would each recompile)."""
+    with torch.random.fork_rng(devices=[]):
+        model = DNATransformer(replace(model_cfg, compile=False), VOCAB_SIZE)
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model_cfg.tie_embeddings)]
+    if missing or unexpected:
+        raise CheckpointError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def read_manifest(path: str) -> dict:
+    try:
+        with open(os.path.join(path, EXPORT_MANIFEST), encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a `megagenome export` directory ({EXPORT_MANIFEST}: {e})") from e
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: {EXPORT_MANIFEST} is format {manifest.get('format')} version {manifest.get('format_version')}, "
+            f"this megagenome reads {FORMAT} version {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def read_export(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(the model config, the dense weights with DNATransformer's keys, in the stored dtype) of an export directory;
+    lm_head.weight is embed.weight when tied."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(path)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(manifest["model"]) - fields)
+    if unknown:
+        raise CheckpointError(f"{path}: {EXPORT_MANIFEST} has model fields this megagenome does not know: {unknown}")
+    model_cfg = ModelConfig(**manifest["model"])
+    try:
+        weights = load_file(os.path.join(path, manifest["weights"]))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: cannot read {manifest['weights']}: {e}") from e
+    if manifest["weight_names"] == "llama":
+        try:
+            state = hf_llama.from_llama(weights, model_cfg)
+        except KeyError as e:
+            raise CheckpointError(f"{path}: {e.args[0]}") from e
+    else:
+        state = dict(weights)
+        if model_cfg.tie_embeddings and "embed.weight" in state:
+            state["lm_head.weight"] = state["embed.weight"]
+    check_shapes(state, model_cfg, path)
+    return model_cfg, state
+
+
+def load_int8(path: str) -> DNATransformer:
+    """The int8 model of an export written with --quantize int8, in eval mode on CPU."""
+    manifest = read_manifest(path)
+    if "int8" not in manifest:
+        raise CheckpointError(f"{path}: exported without --quantize int8 (no {quantize.INT8_WEIGHTS})")
+    model_cfg, _ = read_export(path)
+    return quantize.load_int8(model_cfg, os.path.join(path, manifest["int8"]["file"]))
+
+
+# ----- --model.init_from ------------------------------------------------------------------------------------------
+
+
+def init_from(model: torch.nn.Module, run_model: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Load the weights of the export `run_model.init_from` into `model`, this rank's DNATransformer (its
+    tensor-parallel shard when tp_size > 1), before DeepSpeed wraps it. ConfigError when the export cannot be read
+    or its model is not this run's shape (naming the tensor); max_seq_len, rope_theta, the rotary scaling, dropout and
+    the rest of what no tensor holds may differ (a longer context: README "Context extension")."""
+    path = run_model.init_from
+    flag = f"--model.init_from={path}"
+    try:
+        export_cfg, state = read_export(path)
+    except CheckpointError as e:
+        raise ConfigError([f"{flag}: {e}"]) from e
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DNATransformer(run_model, VOCAB_SIZE).state_dict().items()}
+    shape = f"d_model={export_cfg.d_model}, n_layer={export_cfg.n_layer}, n_head={export_cfg.n_head}"
+    problems = [
+        f"{flag}: tensor {k} is {list(state[k].shape)} in the export ({shape}), this run's model needs {list(want)}"
+        for k, want in expected.items()
+        if k in state and tuple(state[k].shape) != want
+    ]
+    problems += [f"{flag}: the export has no tensor {k}, this run's model needs it" for k in expected if k not in state]
+    problems += [f"{flag}: the export's tensor {k} is not in this run's model" for k in state if k not in expected]
+    if problems:
+        raise ConfigError(problems[:3] + ([f"... {len(problems) - 3} more"] if len(problems) > 3 else []))
+    local = {k: shard(k, v, tp_rank, tp_size) for k, v in state.items()}
+    with torch.no_grad():
+        model.load_state_dict(local, strict=True)
+
+
+def shard(name: str, weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Tensor-parallel rank `rank`'s slice of the dense weight `name` (parallel/tensor_parallel.py splits a weight
+    into `size` contiguous chunks along its partition_dim); the whole weight when it is replicated."""
+    dim = partition_dim(name)
+    if dim is None or size == 1:
+        return weight
+    if weight.size(dim) % size:
+        raise ConfigError([f"tensor {name} {list(weight.shape)}: dimension {dim} does not split into {size} shards"])
+    return weight.chunk(size, dim=dim)[rank]

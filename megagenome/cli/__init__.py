@@ -1,0 +1,119 @@
+"""The command line (layer L5): `megagenome COMMAND [flags]`, one module per command in this package.
+
+Each command module has HELP (its line in `megagenome --help`), parser() (its flags, documented) and main(parsed)
+(the call into the layer that does the work). This module finds the command, builds the parser of that command
+only (building all twelve costs every start more than half a second), reports every problem of the flags and YAML
+files at once (config/load.py) and dispatches. The run-config flags and YAML loading are the config layer's:
+precedence command line > YAML given with --config > dataclass defaults; unknown keys, in YAML or on the command
+line, are errors; a mistyped command or flag gets a "did you mean".
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from argparse import ArgumentError
+
+from jsonargparse import ArgumentParser
+
+from megagenome.cli.args import Parsed
+from megagenome.config.load import argument_problems, did_you_mean, problem_report, strict, value_problems
+
+# Command -> its module in this package, in the order `megagenome --help` lists them.
+COMMANDS = {
+    "pretrain": "pretrain",
+    "convert-checkpoint": "convert_checkpoint",
+    "prepare": "prepare",
+    "preflight": "preflight",
+    "plan": "plan",
+    "find-micro-batch": "find_micro_batch",
+    "hostfile": "hostfile",
+    "deepspeed-env": "deepspeed_env",
+    "eval": "eval",
+    "score-variants": "score_variants",
+    "export": "export",
+    "report": "report",
+}
+PROG = "megagenome"
+
+
+def command_module(name: str):
+    """The module of command `name` (megagenome.cli.<module>)."""
+    return importlib.import_module(f"megagenome.cli.{COMMANDS[name]}")
+
+
+def build_parser(only: str | None = None) -> ArgumentParser:
+    """The parser of `megagenome`, with every command, or with command `only` alone (what main() parses with)."""
+    parser = ArgumentParser(prog=PROG, description="Pretrain genomic (DNA) language models on DeepSpeed.")
+    sub = parser.add_subcommands(dest="command")
+    for name in COMMANDS if only is None else [only]:
+        module = command_module(name)
+        sub.add_subcommand(name, strict(module.parser()), help=module.HELP)
+    return strict(parser)
+
+
+def subcommands(parser: ArgumentParser) -> dict[str, ArgumentParser]:
+    """Command name -> its parser, of build_parser()'s parser."""
+    return dict(parser._subcommands_action._name_parser_map)
+
+
+def parse(parser: ArgumentParser, argv: list[str]) -> tuple[list[str], object]:
+    """(problems, namespace) of `megagenome ARGV`: every problem of the flags and YAML files at once, each with where
+    it came from (config/load.py argument_problems, then each value jsonargparse refuses), and no namespace; or no
+    problem and the parsed namespace. --help and --print_config still print and exit (SystemExit 0)."""
+    command = subcommands(parser).get(argv[0]) if argv else None
+    if command is not None:
+        problems = argument_problems(command, argv[1:])
+        if problems:
+            return problems, None
+    try:
+        return [], parser.parse_args(argv)
+    except ArgumentError as e:
+        problems = value_problems(command, argv[1:]) if command is not None else []
+        return problems or [" ".join(str(e).split())], None
+
+
+def report_problems(argv: list[str], problems: list[str]) -> None:
+    """The problems of a command line on stderr (config/load.py problem_report), once per node: on local rank 0 of a
+    launcher's ranks, which all parse the same arguments (a file missing on one node is reported by that node)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        prog = f"{PROG} {argv[0]}" if argv and argv[0] in COMMANDS else PROG
+        print(problem_report(prog, problems), file=sys.stderr)
+
+
+def _strip_launcher_args(argv: list[str]) -> list[str]:
+    """Drop the `--local_rank=N` the deepspeed launcher appends; LOCAL_RANK in the environment says the same."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--local_rank="):
+            continue
+        if arg == "--local_rank":
+            skip = True
+            continue
+        out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _strip_launcher_args(sys.argv[1:] if argv is None else list(argv))
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        report_problems(argv, [f"unknown command {argv[0]!r}{did_you_mean(argv[0], COMMANDS)}"])
+        return 2
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
+    problems, ns = parse(parser, argv)
+    if problems:
+        report_problems(argv, problems)
+        return 2
+    if ns.command not in COMMANDS:
+        parser.print_help()
+        return 2
+    values = parser.instantiate(ns)
+    return command_module(ns.command).main(Parsed(ns[ns.command], values[ns.command], argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""`megagenome report`: PNG plots and a Markdown summary of a run (observe/report.py)."""
+
+from __future__ import annotations
+
+from jsonargparse import ArgumentParser
+
+from megagenome.cli.args import Parsed
+
+HELP = "PNG plots and a Markdown summary of a run."
+
+
+def parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="megagenome report",
+        description="PNG plots of a run's metrics.jsonl (loss, held-out bits/base with the Markov baselines of "
+        "summary.json as lines, learning rate, tokens/s, MFU, memory) and report.md, a short Markdown summary that "
+        "links them. Reads the run directory only; works on a run still in progress.",
+    )
+    parser.add_argument("run", type=str, help="A run directory (with metrics.jsonl).")
+    parser.add_argument(
+        "--output", type=str | None, default=None, help="Directory for the PNGs and report.md (default: RUN/report)."
+    )
+    return parser
+
+
+def main(parsed: Parsed) -> int:
+    from megagenome.observe import report
+
+    return report.main(parsed.ns)

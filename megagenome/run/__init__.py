@@ -1,0 +1,2 @@
+"""A training run's machinery (layer L4): the assembly every command shares, the stages of `megagenome pretrain`,
+resume checks, the run directory's lock, the closing summary, preflight, training trials and the supervisor."""
