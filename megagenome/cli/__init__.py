@@ -49,7 +49,9 @@ def build_parser(only: str | None = None) -> ArgumentParser:
     sub = parser.add_subcommands(dest="command")
     for name in COMMANDS if only is None else [only]:
         module = command_module(name)
-        sub.add_subcommand(name, strict(module.parser()), help=module.HELP)
+        sub.add_subcommand(name, module.parser(), help=module.HELP)
+    for command in subcommands(parser).values():
+        strict(command)  # after add_subcommand, which sets the subparser's error handling its own way
     return strict(parser)
 
 

@@ -183,9 +183,10 @@ def known_flags(parser: ArgumentParser) -> dict:
 
 
 def yaml_keys(parser: ArgumentParser) -> set[str]:
-    """The dotted keys a YAML file given to `parser` with --config may set (`train.lr`, and plan's `gpus`)."""
+    """The dotted keys a YAML file given to `parser` with --config may set (`train.lr`, and plan's `gpus`): every
+    flag's, switches included (`dry_run`), since --print_config prints them all and its output is a valid --config."""
     skip = {"help", "config", "print_config", SUPPRESS, None}
-    keys = {a.dest for a in known_flags(parser).values() if a.dest not in skip and a.nargs != 0}
+    keys = {a.dest for a in known_flags(parser).values() if a.dest not in skip}
     return {k for k in keys if not any(other.startswith(k + ".") for other in keys)}  # not `--train` (a section)
 
 
