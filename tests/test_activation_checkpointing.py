@@ -26,8 +26,8 @@ from support.saved import param_storages, saved_bytes
 
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
-from megagenome.model.layers import Block
+from megagenome.model.transformer import DNATransformer
+from megagenome.model.transformer.blocks import Block
 
 B, T, D, LAYERS, K = 2, 64, 64, 4, 2
 POLICIES = ["full", "every_k", "selective"]

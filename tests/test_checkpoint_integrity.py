@@ -28,7 +28,7 @@ from support.trained import LAYOUTS, STEPS
 
 from megagenome.config import ModelConfig, TrainConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
+from megagenome.model.transformer import DNATransformer
 from megagenome.train import checkpoint, integrity
 
 OLDER = 3  # the step of the second complete checkpoint made beside a run's final one (step STEPS)

@@ -1,6 +1,6 @@
 """Context extension (issue 15 part 4): rotary scaling (model/layers.py rope_frequencies), its flags and their
 validation (config/checks.py), continuing a run or an export at a longer context, and the scaled export's Hugging
-Face config (hf_llama.rope_fields).
+Face config (model/transformer/hf.py rope_fields).
 
 Pure tests (no process group):
 - factor 1 (and none) gives the unscaled tables bit for bit; linear is positions / factor exactly; ntk's base is
@@ -30,13 +30,14 @@ import yaml
 from support.helpers import copy_genome, tiny_config
 from support.runs import ds, run_worker
 
-from megagenome.after_training import hf_llama
+from megagenome.after_training import hf_files
 from megagenome.after_training.inference import build_model, read_weights
 from megagenome.config import ModelConfig, RootConfig, config_differences, resume_record, validate
 from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
-from megagenome.model.layers import RotaryEmbedding, rope_frequencies, yarn_mscale
+from megagenome.model.transformer import DNATransformer
+from megagenome.model.transformer import hf as llama_hf
+from megagenome.model.transformer.blocks import RotaryEmbedding, rope_frequencies, yarn_mscale
 from megagenome.observe.metrics import read_metrics
 from megagenome.run import resume_checks
 
@@ -236,8 +237,8 @@ def test_scaled_export_loads_in_transformers_as_the_same_function(tmp_path, scal
         for block in model.blocks:
             block.attn.qkv.weight.mul_(15.0)
     state = model.state_dict()
-    save_file(hf_llama.to_llama(state, cfg), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    hf_llama.write_hf_files(str(tmp_path), cfg, torch.float32)
+    save_file(llama_hf.to_llama(state, cfg, VOCAB_SIZE), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf_files.write_hf_files(str(tmp_path), cfg, torch.float32, llama_hf.LlamaForm(cfg))
     written = json.loads((tmp_path / "config.json").read_text())
     want = {"linear": "linear", "ntk": "default", "yarn": "yarn"}[scaling]
     assert written["rope_parameters"]["rope_type"] == want

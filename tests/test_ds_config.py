@@ -270,7 +270,7 @@ def test_which_optimizer_wrapper_each_bf16_json_gets_and_that_it_trains(
     import torch
 
     from megagenome.config import ModelConfig
-    from megagenome.model import DNATransformer
+    from megagenome.model.transformer import DNATransformer
     from megagenome.train import engine
     from megagenome.train.ds_config import merge_fragments
 

@@ -29,7 +29,7 @@ from megagenome.after_training.inference import load_model
 from megagenome.after_training.weights import init_from, load_int8, read_export, shard
 from megagenome.config import ConfigError, ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
+from megagenome.model.transformer import TRANSFORMER, DNATransformer
 from megagenome.observe.metrics import read_metrics
 from megagenome.parallel.tensor_parallel import merge_shards
 from megagenome.train.consolidate import checkpoint_tag
@@ -222,17 +222,17 @@ def test_init_from_starts_a_tensor_parallel_run_from_the_export(trained):
 
 
 def test_init_from_tensor_parallel_shards_are_the_checkpoints(trained, exported):
-    """A tp=2 rank gets shard(name, dense, rank, 2) of each weight: exactly what the tp2 run's own checkpoint holds
-    for that rank (mp_rank_0r_model_states.pt), and the shards merge back to the dense weights."""
+    """A tp=2 rank gets shard(name, dense, rank, 2, family) of each weight: exactly what the tp2 run's own checkpoint
+    holds for that rank (mp_rank_0r_model_states.pt), and the shards merge back to the dense weights."""
     _, dense = read_export(str(exported("tp2")))
     tag = checkpoint_tag(str(trained.run_dir("tp2")))
     saved = [torch.load(f"{tag}/mp_rank_0{r}_model_states.pt", weights_only=False)["module"] for r in range(2)]
-    mine = [{k: shard(k, v, r, 2) for k, v in dense.items()} for r in range(2)]
+    mine = [{k: shard(k, v, r, 2, TRANSFORMER) for k, v in dense.items()} for r in range(2)]
     for r in range(2):
         for k, v in saved[r].items():
             assert torch.equal(mine[r][k], v), (r, k)
     assert mine[0]["blocks.0.attn.qkv.weight"].shape == (48, 32)  # one of two heads, its q, k and v
-    merged = merge_shards(mine)
+    merged = merge_shards(mine, TRANSFORMER.partition_dim)
     assert all(torch.equal(merged[k], dense[k]) for k in dense)
 
 

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import megagenome.model.attention as attention_module
-import megagenome.model.layers as layers_module
+import megagenome.model.transformer.blocks as layers_module
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
-from megagenome.observe.metrics import flops_per_token, forward_flops_per_token, hardware_flops_per_token
+from megagenome.model.transformer import DNATransformer
+from megagenome.model.transformer.flops import flops_per_token, forward_flops_per_token, hardware_flops_per_token
 from megagenome.train.loop import LoopPlan, _train_row
 
 B, T, D, LAYERS, HEADS = 2, 32, 32, 2, 2

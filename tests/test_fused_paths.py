@@ -27,9 +27,11 @@ from support.helpers import final_ds_config, world_of_one
 import megagenome.model.attention as attn_mod
 from megagenome.config import ModelConfig, TrainConfig, config_hash, validate
 from megagenome.config.load import config_from_dict
-from megagenome.model import DNATransformer, attention_summary
+from megagenome.model import attention_summary
 from megagenome.model.attention import attention, attention_backend, fa3_available, flash_available
-from megagenome.model.layers import RMSNorm, SelfAttention
+from megagenome.model.layers import RMSNorm
+from megagenome.model.transformer import TRANSFORMER, DNATransformer
+from megagenome.model.transformer.blocks import SelfAttention
 from megagenome.parallel.layout import LayoutError, ParallelLayout
 
 VOCAB = 9
@@ -161,7 +163,7 @@ def test_saved_activations_match_the_planner_with_long_rotary_tables(case):
     planner/activations.py's formula, here with max_seq_len 4x the window."""
     from support.saved import param_storages, saved_bytes
 
-    from megagenome.planner.activations import ModelShape, activation_bytes
+    from megagenome.model.transformer.costs import TransformerShape, activation_bytes
 
     dtype, e = (torch.float32, 4) if case == "fp32" else (torch.bfloat16, 2)
     cfg = ModelConfig(d_model=64, n_layer=2, n_head=4, max_seq_len=256)
@@ -173,7 +175,7 @@ def test_saved_activations_match_the_planner_with_long_rotary_tables(case):
     g = torch.Generator().manual_seed(1)
     ids, labels = (torch.randint(0, VOCAB, (2, 64), generator=g) for _ in range(2))
     got = saved_bytes(lambda: model(ids, labels, torch.ones(2, 64)), param_storages(model))
-    shape = ModelShape(
+    shape = TransformerShape(
         d_model=64,
         n_layer=2,
         n_head=4,
@@ -300,10 +302,11 @@ def test_compile_is_refused_with_model_parallelism(degree):
 
 def test_compile_is_refused_with_zero3():
     cfg = config_from_dict({"model": {"compile": True}})
+    rules = TRANSFORMER.parallel_rules(cfg.model, 16)
     with pytest.raises(LayoutError, match=r"--model\.compile.*stage=3.*torch\.compiler\.disable"):
-        ParallelLayout.build(1, cfg.parallel, cfg.model, 64, 16, {"stage": 3}, "zero3.json")
+        ParallelLayout.build(1, cfg.parallel, cfg.model, 64, rules, {"stage": 3}, "zero3.json")
     for stage in (0, 1, 2):
-        ParallelLayout.build(1, cfg.parallel, cfg.model, 64, 16, {"stage": stage}, "zero.json")
+        ParallelLayout.build(1, cfg.parallel, cfg.model, 64, rules, {"stage": stage}, "zero.json")
 
 
 # ----- regional torch.compile (inductor on CPU) ---------------------------------------------------------------------

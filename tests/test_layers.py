@@ -4,6 +4,7 @@ only what the design allows them, heavy dependencies stay in their seams, and th
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -246,3 +247,49 @@ def test_the_cycle_check_finds_a_circle():
     """The check above reports a circle of three and leaves a chain alone."""
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+# What the transformer's module is made of: no module outside its family (model/transformer/) may reach for these
+# (an attribute of a model, or a state-dict key), since another family's model has none of them; they ask the family
+# (model/family.py) instead.
+TRANSFORMER_INTERNALS = {"blocks", "attn", "mlp", "embed", "lm_head", "qkv", "proj", "w_gate", "w_up", "w_down"}
+_INTERNAL_KEY = re.compile(r"^(blocks\.|attn\.|mlp\.|embed\.|lm_head\.)|\.(attn|mlp)\.")
+
+
+def _docstrings(tree) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions (prose, not code)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def family_internals_outside(rel: str, tree) -> list[str]:
+    """Where module `rel` names a transformer internal: an attribute (model.blocks) or a state-dict key string."""
+    docs, found = _docstrings(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in TRANSFORMER_INTERNALS:
+            found.append(f"{rel}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if _INTERNAL_KEY.search(node.value):
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_only_the_family_names_the_transformers_internals():
+    """The model-family seam (docs/architecture.md): outside model/transformer/ nothing reads a model's blocks,
+    attention, MLP, embedding or head, as attributes or as state-dict keys."""
+    bad = []
+    for rel, _, tree in modules():
+        if not rel.startswith("model/transformer"):
+            bad += family_internals_outside(rel, tree)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_internals_check_sees_attributes_and_keys():
+    tree = ast.parse('"""model.blocks in prose"""\nx = model.blocks[0].attn\ny = state["blocks.0.mlp.w_up.weight"]\n')
+    found = sorted(family_internals_outside("m", tree))
+    assert found == ["m:2: .attn", "m:2: .blocks", "m:3: 'blocks.0.mlp.w_up.weight'"]

@@ -13,14 +13,16 @@ import re
 import pytest
 
 from megagenome.config import ModelConfig, ParallelConfig, TrainConfig
+from megagenome.model.transformer import TRANSFORMER
 from megagenome.parallel.layout import BatchSizes, LayoutError, ParallelLayout
 
 MODEL = ModelConfig(d_model=128, n_layer=4, n_head=4)  # d_ff 384 (8/3 x 128 rounded up to 64)
-VOCAB_ROWS = 8
+RULES = TRANSFORMER.parallel_rules(MODEL, 5)  # 5 tokens: 8 padded vocabulary rows
 
 
 def build(world: int = 8, model: ModelConfig = MODEL, seq_len: int = 64, zero: dict | None = None, **parallel):
-    return ParallelLayout.build(world, ParallelConfig(**parallel), model, seq_len, VOCAB_ROWS, zero, "z.json")
+    rules = RULES if model is MODEL else TRANSFORMER.parallel_rules(model, 5)
+    return ParallelLayout.build(world, ParallelConfig(**parallel), model, seq_len, rules, zero, "z.json")
 
 
 def problems(*args, **kwargs) -> list[str]:

@@ -39,7 +39,7 @@ from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config
 
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
+from megagenome.model.transformer import DNATransformer
 from megagenome.observe.metrics import zero_model_state_bytes
 
 N = 2

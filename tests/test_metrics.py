@@ -23,18 +23,15 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from megagenome.config import LogConfig, ModelConfig, RootConfig, d_ff, validate
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
-from megagenome.observe.metrics import (
+from megagenome.model.transformer import DNATransformer
+from megagenome.model.transformer.flops import (
     block_parameters,
     flops_per_token,
     forward_flops_per_token,
-    gpu_peak,
     hardware_flops_per_token,
-    measure_matmul_tflops,
-    peak_tflops,
     recompute_flops_per_token,
-    resolve_peak,
 )
+from megagenome.observe.metrics import gpu_peak, measure_matmul_tflops, peak_tflops, resolve_peak
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. Hand counts

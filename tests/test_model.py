@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megagenome.config import ModelConfig, d_ff
-from megagenome.model import DNATransformer
+from megagenome.model.transformer import DNATransformer
 
 
 def tiny(**overrides) -> ModelConfig:

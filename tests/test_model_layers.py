@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from megagenome.config import ModelConfig
 from megagenome.model.attention import attention, flash_available
-from megagenome.model.layers import MLP, RMSNorm, RotaryEmbedding, SelfAttention
+from megagenome.model.layers import RMSNorm
+from megagenome.model.transformer.blocks import MLP, RotaryEmbedding, SelfAttention
 
 
 def reference_attention(q, k, v, causal):

@@ -22,8 +22,9 @@ from support.runs import STEPS, STOP, assert_equivalent, ds, run_worker, scenari
 from megagenome.config import ConfigError, ModelConfig, TrainConfig
 from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
-from megagenome.planner.states import Precision, bytes_per_parameter, model_shapes, model_states
+from megagenome.model.transformer import DNATransformer
+from megagenome.model.transformer.costs import model_shapes
+from megagenome.planner.states import Precision, bytes_per_parameter, model_states
 from megagenome.run import assembly
 from megagenome.train import optimizers
 

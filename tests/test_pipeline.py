@@ -49,8 +49,8 @@ from support.saved import param_storages, saved_bytes
 from megagenome.config import ConfigError, ModelConfig, ParallelConfig
 from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
-from megagenome.model.layers import Block
+from megagenome.model.transformer import DNATransformer
+from megagenome.model.transformer.blocks import Block
 from megagenome.parallel import pipeline
 from megagenome.run.assembly import validate
 

@@ -24,19 +24,24 @@ from support.saved import param_storages, saved_bytes
 
 from megagenome.config import ModelConfig, d_ff
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
-from megagenome.observe.metrics import flops_per_token
-from megagenome.planner.activations import (
-    ModelShape,
+from megagenome.model.transformer import DNATransformer
+from megagenome.model.transformer.costs import (
+    TransformerShape,
     activation_bytes,
-    gradient_buffer_elements,
     n_params,
     param_groups,
-    persistent_params,
     recompute_flops_per_token,
 )
+from megagenome.model.transformer.flops import flops_per_token
 from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend
-from megagenome.planner.states import STATES, Precision, model_states, resident_buffers
+from megagenome.planner.states import (
+    STATES,
+    Precision,
+    gradient_buffer_elements,
+    model_states,
+    persistent_params,
+    resident_buffers,
+)
 from megagenome.planner.timing import Cluster, collective_time, ring_volume
 
 N = 2
@@ -66,8 +71,8 @@ SCENARIOS.update(
 )
 
 
-def shape_of(cfg: ModelConfig) -> ModelShape:
-    return ModelShape(
+def shape_of(cfg: ModelConfig) -> TransformerShape:
+    return TransformerShape(
         cfg.d_model, cfg.n_layer, cfg.n_head, d_ff(cfg), VOCAB_SIZE, 8, cfg.tie_embeddings, cfg.max_seq_len, cfg.dropout
     )
 
@@ -302,7 +307,7 @@ BAND = 0.12  # stated in benchmarks/results/plan_validation.md; the largest dist
 
 
 def megatron_setup(hidden: int, heads: int, layers: int, tp: int) -> Setup:
-    shape = ModelShape(hidden, layers, heads, 8 * hidden // 3, 51200, 51200, True, 1024, 0.1, causal=False)
+    shape = TransformerShape(hidden, layers, heads, 8 * hidden // 3, 51200, 51200, True, 1024, 0.1, causal=False)
     # mfu calibrated on the published single-GPU baseline: 39 TFLOP/s of V100's 125 (hardware FLOPs: full
     # recomputation, which Megatron-LM ran with; every attention score counted, as Narayanan et al. 2021's
     # 96*B*s*l*h^2*(1 + s/6h + V/16lh) does, hence causal=False); 150 GB/s is one direction of NVSwitch's 300.

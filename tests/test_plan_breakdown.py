@@ -12,22 +12,14 @@ import pytest
 from support.helpers import REPO, cli_here
 
 from megagenome.config.load import config_from_args
-from megagenome.observe.metrics import flops_per_token
+from megagenome.model.transformer.costs import TransformerShape, elementwise_bytes, n_params, outside_bytes
+from megagenome.model.transformer.flops import flops_per_token
 from megagenome.planner import plan
-from megagenome.planner.activations import ModelShape, n_params
-from megagenome.planner.breakdown import (
-    ATTENTION_BWD_PER_FWD,
-    TERMS,
-    Rates,
-    breakdown,
-    elementwise_bytes,
-    hbm_tbps,
-    outside_bytes,
-)
+from megagenome.planner.breakdown import ATTENTION_BWD_PER_FWD, TERMS, Rates, breakdown, hbm_tbps
 from megagenome.planner.timing import Cluster
 
 # d 64, 2 layers, 4 heads, d_ff 192, vocabulary 8 (tied): N = 8*64 + 2*(4*64^2 + 3*64*192 + 2*64) + 64 = 107,328.
-SHAPE = ModelShape(d_model=64, n_layer=2, n_head=4, d_ff=192, vocab_size=8, padded_vocab=8, max_seq_len=128)
+SHAPE = TransformerShape(d_model=64, n_layer=2, n_head=4, d_ff=192, vocab_size=8, padded_vocab=8, max_seq_len=128)
 N = 107_328
 # Round rates so the seconds come out by hand: 100 TFLOP/s, 1 TB/s, matmul at 50%, attention 40% / 20%, HBM 50%.
 RATES = Rates(peak_tflops=100.0, hbm_tbps=1.0, matmul=0.5, attention_fwd=0.4, attention_bwd=0.2, bandwidth=0.5)
@@ -100,7 +92,7 @@ def test_recomputation_fusion_partitioning_and_masked_models():
     zero1 = breakdown(SHAPE, 128, 2, 4, 1, "none", RATES, dp=4)
     assert zero1["optimizer_bytes"] == 4 * N * 10 + N / 4 * 34
     # A bidirectional (mlm) model computes every score: twice the causal attention time, and one MFU convention.
-    mlm = breakdown(ModelShape(**{**SHAPE.__dict__, "causal": False}), 128, 2, 4, 1, "none", RATES)
+    mlm = breakdown(TransformerShape(**{**SHAPE.__dict__, "causal": False}), 128, 2, 4, 1, "none", RATES)
     assert mlm["ms"]["attention"] == pytest.approx(2 * base["ms"]["attention"])
     assert mlm["mfu"] == mlm["mfu_full_attn"]
 

@@ -234,6 +234,8 @@ def test_the_baselines_are_lines_on_the_bits_per_base_plot(tmp_path):
         label = f"order-{k} Markov {v:.4f}" + (" (best)" if k == "3" else "")
         assert flat[label] == {v}, label
     assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([2.08, 1.96])  # the model, at steps 4 and 8
+    legend = [line.get_label() for line in ax.get_lines()[1:]]  # the model first, then the baselines by order
+    assert [label.split()[0] for label in legend] == [f"order-{k}" for k in range(9)]  # not by value (order 8 < 4)
 
 
 def test_missing_metrics_skip_their_plot(tmp_path):

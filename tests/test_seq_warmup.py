@@ -28,9 +28,9 @@ from megagenome.data.blend import GroupSampler, Unit
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import build_genome_data
 from megagenome.data.sampler import batch_indices
-from megagenome.observe.metrics import attention_core_forward_flops_per_token
+from megagenome.model.transformer.costs import activation_bytes
+from megagenome.model.transformer.flops import attention_core_forward_flops_per_token
 from megagenome.planner import plan
-from megagenome.planner.activations import activation_bytes
 from megagenome.planner.choose import Candidate, Setup, stage_activations
 from megagenome.planner.states import Precision
 from megagenome.planner.timing import Cluster

@@ -29,8 +29,8 @@ from support.runs import STEPS, max_abs_diff, run_worker, scenario
 
 from megagenome.config import ConfigError, ModelConfig
 from megagenome.config.load import config_from_dict
-from megagenome.model import DNATransformer
-from megagenome.model.layers import RotaryEmbedding
+from megagenome.model.transformer import DNATransformer
+from megagenome.model.transformer.blocks import RotaryEmbedding
 from megagenome.parallel.sequence import shard_batch
 from megagenome.run.assembly import validate
 from megagenome.train import engine

@@ -39,6 +39,7 @@ from support.helpers import REPO, copy_genome, tiny_config
 from support.runs import STEPS, STOP, Runs, assert_equivalent, ds, run_worker
 
 from megagenome.config import DataConfig, LogConfig, ModelConfig, ParallelConfig, RootConfig, TrainConfig
+from megagenome.model.transformer import TRANSFORMER
 from megagenome.parallel import tensor_parallel as tp
 
 LAYER_ATOL = 1e-6  # layer outputs and gradients against torch's dense layers (fp32)
@@ -72,6 +73,8 @@ def test_prepare_rejects_an_indivisible_split_before_launch(tmp_path):
 
 
 def test_partition_dims_and_merge_invert_the_split():
+    """The transformer family's split dimensions (model/transformer/family.py) and merge_shards undo the split."""
+    dim = TRANSFORMER.partition_dim
     dense = {
         "embed.weight": torch.randn(8, 6),
         "lm_head.weight": torch.randn(8, 6),
@@ -80,13 +83,10 @@ def test_partition_dims_and_merge_invert_the_split():
         "blocks.0.mlp.w_down.weight": torch.randn(6, 10),
         "blocks.0.attn_norm.weight": torch.randn(6),
     }
-    shards = [
-        {k: v if tp.partition_dim(k) is None else v.chunk(2, tp.partition_dim(k))[r] for k, v in dense.items()}
-        for r in range(2)
-    ]
-    assert tp.partition_dim("blocks.0.attn_norm.weight") is None
-    assert tp.partition_dim("blocks.3.mlp.w_up.weight") == 0 and tp.partition_dim("blocks.3.attn.proj.weight") == 1
-    merged = tp.merge_shards(shards)
+    shards = [{k: v if dim(k) is None else v.chunk(2, dim(k))[r] for k, v in dense.items()} for r in range(2)]
+    assert dim("blocks.0.attn_norm.weight") is None
+    assert dim("blocks.3.mlp.w_up.weight") == 0 and dim("blocks.3.attn.proj.weight") == 1
+    merged = tp.merge_shards(shards, dim)
     assert all(torch.equal(merged[k], dense[k]) for k in dense)
 
 

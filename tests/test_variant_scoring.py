@@ -31,11 +31,10 @@ import torch.nn.functional as F
 from support.helpers import PYTHON, REPO, env
 from support.scoring_checks import CASES, CONTIG, options, phix_records, write_test_vcf
 
+from megagenome.after_training.auroc import auroc, bootstrap_interval
 from megagenome.after_training.inference import World, load_model, mask_every, masked_log_probs, next_base_log_probs
 from megagenome.after_training.variant_scoring import (
     Plan,
-    auroc,
-    bootstrap_interval,
     main,
     make_batches,
     plan_alt,

@@ -5,10 +5,12 @@
 RUN is a run directory (its newest complete checkpoint, or --step; any layout: ZeRO 0-3, tensor, pipeline or
 sequence parallel, universal, consolidated by train/consolidate.py) or another export directory. DIR holds:
 
-    model.safetensors       the dense weights in --dtype; a causal model's under Hugging Face Llama names
-                            (hf_llama.py), a masked model's under DNATransformer's
+    model.safetensors       the dense weights in --dtype: under its family's Hugging Face names where the family
+                            has a Hugging Face form for the config (a causal transformer: Llama's,
+                            model/transformer/hf.py), under the model's own state-dict names otherwise
     config.json, generation_config.json, tokenizer.json, tokenizer_config.json, special_tokens_map.json
-                            causal models only: a `LlamaForCausalLM` and a single-nucleotide tokenizer, so that
+                            with a Hugging Face form only (hf_files.py): e.g. a `LlamaForCausalLM` and a
+                            single-nucleotide tokenizer, so that
                             `AutoModelForCausalLM.from_pretrained(DIR)` computes megagenome's logits
     megagenome.json         the manifest (inference.EXPORT_MANIFEST, its presence marks an export directory): the
                             ModelConfig, format version, source run and checkpoint, dtype, int8 measurements
@@ -33,7 +35,7 @@ import sys
 
 import torch
 
-from megagenome.after_training import hf_llama, quantize
+from megagenome.after_training import hf_files, quantize
 from megagenome.after_training.weights import (
     DTYPES,
     EXPORT_MANIFEST,
@@ -45,7 +47,7 @@ from megagenome.after_training.weights import (
 )
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB, VOCAB_SIZE
-from megagenome.model.transformer import dense_parameters
+from megagenome.model import family_of
 from megagenome.observe.metrics import read_metrics
 from megagenome.train import checkpoint
 
@@ -106,7 +108,7 @@ def export(
         manifest = _manifest(model_cfg, _provenance(source, read_from, run_cfg), dtype)
         _write_weights(tmp, model_cfg, state, DTYPES[dtype])
         if manifest["huggingface"]:
-            hf_llama.write_hf_files(tmp, model_cfg, DTYPES[dtype])
+            hf_files.write_hf_files(tmp, model_cfg, DTYPES[dtype], family_of(model_cfg).huggingface(model_cfg))
         if quantize_to == "int8":
             manifest["int8"] = _int8(tmp, model_cfg, state, run_cfg, eval_fasta, eval_windows)
         _write_json(os.path.join(tmp, EXPORT_MANIFEST), manifest)
@@ -131,17 +133,18 @@ def _readable(directory: str) -> None:
 
 
 def _manifest(model_cfg: ModelConfig, source: dict, dtype: str) -> dict:
-    causal = model_cfg.objective == "clm"
+    family = family_of(model_cfg)
+    form = family.huggingface(model_cfg)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model": dataclasses.asdict(model_cfg),
         "vocab": list(VOCAB),
-        "parameters": dense_parameters(model_cfg, VOCAB_SIZE)[0],
+        "parameters": family.parameter_counts(model_cfg, VOCAB_SIZE)[0],
         "weights": WEIGHTS,
-        "weight_names": "llama" if causal else "megagenome",
+        "weight_names": form.weight_names if form is not None else "megagenome",
         "dtype": dtype,
-        "huggingface": causal,
+        "huggingface": form is not None,
         "source": source,
     }
 
@@ -166,21 +169,15 @@ def _provenance(source: str, read_from: str, run_cfg) -> dict:
 
 
 def _write_weights(out_dir: str, model_cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """model.safetensors: Llama names for a causal model (what transformers loads), DNATransformer's otherwise;
-    a tied LM head is stored once (as the embedding)."""
+    """model.safetensors: under the family's Hugging Face names when it has a form for this config (what
+    transformers loads), the model's own otherwise; a tied tensor is stored once."""
     from safetensors.torch import save_file
 
+    family = family_of(model_cfg)
+    form = family.huggingface(model_cfg)
     state = {k: v.to(dtype) for k, v in state.items()}
-    if model_cfg.objective == "clm":
-        weights = hf_llama.to_llama(state, model_cfg)
-    else:
-        weights = _untied(state, model_cfg)
+    weights = form.to_hf(state, VOCAB_SIZE) if form is not None else family.untie(state, model_cfg)
     save_file(weights, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
-
-
-def _untied(state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """DNATransformer's state dict without the tied LM head (safetensors stores no shared tensors)."""
-    return {k: v.contiguous() for k, v in state.items() if not (k == "lm_head.weight" and model_cfg.tie_embeddings)}
 
 
 def _int8(out_dir, model_cfg, state, run_cfg, eval_fasta, eval_windows) -> dict:
@@ -191,7 +188,7 @@ def _int8(out_dir, model_cfg, state, run_cfg, eval_fasta, eval_windows) -> dict:
     int8 = quantize.quantize_int8(build_model(model_cfg, state).eval())
     int8_bytes = quantize.save_int8(int8, os.path.join(out_dir, quantize.INT8_WEIGHTS))
     # The size of a float32 model.safetensors, whatever --dtype wrote.
-    fp32_bytes = len(save(_untied({k: v.float() for k, v in state.items()}, model_cfg)))
+    fp32_bytes = len(save(family_of(model_cfg).untie({k: v.float() for k, v in state.items()}, model_cfg)))
     data, described = quantize.eval_data(model_cfg, run_cfg, eval_fasta, eval_windows)
     try:
         batches = quantize.eval_batches(data)
@@ -226,13 +223,13 @@ def _write_json(path: str, data: dict) -> None:
 def model_card(manifest: dict) -> str:
     """README.md of an export directory: what it is, where it came from, how to load it, the int8 figures."""
     m, src = manifest["model"], manifest["source"]
-    kind = "causal (next-base, clm)" if manifest["huggingface"] else "masked (mlm)"
+    kind = "causal (next-base, clm)" if m.get("objective", "clm") == "clm" else "masked (mlm)"
     heldout = src.get("heldout_bits_per_base")
     rows = [
         ("source run", f"`{src.get('run_dir', '?')}`"),
         ("checkpoint", f"`{os.path.basename(src.get('checkpoint', '?'))}` (step {src.get('step', '?')})"),
         ("parameters", f"{manifest['parameters']:,}"),
-        ("shape", f"d_model {m['d_model']}, {m['n_layer']} blocks, {m['n_head']} heads, context {m['max_seq_len']}"),
+        ("shape", _shape(m)),
         ("rotary scaling", _scaling(m)),
         ("weights", f"`{WEIGHTS}` ({manifest['dtype']})"),
         ("held-out bits/base", f"{heldout:.4f} (step {src['heldout_step']})" if heldout is not None else "not logged"),
@@ -261,12 +258,18 @@ def model_card(manifest: dict) -> str:
         ]
     lines += [
         "from megagenome.after_training.inference import load_model",
-        'loaded = load_model("DIR")  # megagenome.DNATransformer',
+        'loaded = load_model("DIR")  # loaded.model: the megagenome model',
     ]
     lines += ["```", "", "Continue pretraining from it with `megagenome pretrain ... --model.init_from DIR`.", ""]
     if "int8" in manifest:
         lines += _int8_card(manifest["int8"])
     return "\n".join(lines)
+
+
+def _shape(m: dict) -> str:
+    """The card's shape line: the family's description of the exported config."""
+    cfg = ModelConfig(**m)
+    return family_of(cfg).describe(cfg)
 
 
 def _scaling(m: dict) -> str:

@@ -21,14 +21,13 @@ import torch.nn.functional as F
 from megagenome.after_training.weights import DTYPES, build_model, read_weights
 from megagenome.config import ModelConfig, RootConfig
 from megagenome.data.tokenizer import MASK_ID
-from megagenome.model import DNATransformer
 
 
 @dataclass
 class Loaded:
     """A dense model in eval mode and where it came from."""
 
-    model: DNATransformer
+    model: torch.nn.Module  # its family's (model/family.py LanguageModel)
     model_cfg: ModelConfig
     source: str  # the checkpoint directory or export directory read
     run_cfg: RootConfig | None  # the run's config when loaded from a run directory
@@ -43,7 +42,7 @@ class Loaded:
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed.weight.device
+        return next(self.model.parameters()).device
 
 
 def load_model(path: str, step: int | None = None, dtype: str = "fp32", device: str | None = None) -> Loaded:
@@ -128,7 +127,7 @@ def pad_batch(windows: Iterable[torch.Tensor], device: torch.device) -> tuple[to
 
 
 @torch.no_grad()
-def next_base_log_probs(model: DNATransformer, tokens: torch.Tensor) -> torch.Tensor:
+def next_base_log_probs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Causal model: (B, T) float32 log p(x_t | x_<t) of each token of `tokens` (B, T); column 0 (no context) is 0.
     Right padding does not change the columns before it."""
     logits = model.logits(tokens)  # (B, T, vocab)
@@ -138,7 +137,7 @@ def next_base_log_probs(model: DNATransformer, tokens: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def masked_log_probs(model: DNATransformer, tokens: torch.Tensor, every: int) -> torch.Tensor:
+def masked_log_probs(model: torch.nn.Module, tokens: torch.Tensor, every: int) -> torch.Tensor:
     """Masked model: (B, T) float32 log p(x_t | the window with x_t masked), in `every` passes that each mask every
     every-th position (offset by the pass): the pseudo-likelihood at the masking rate 1/every the model trained at."""
     out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)

@@ -1,12 +1,13 @@
 """INT8 weights of a trained model (layer L4, the torchao seam): `megagenome export --quantize int8`.
 
 Scheme: torchao's dynamic int8 quantization (`Int8DynamicActivationInt8WeightConfig`: int8 weights, symmetric per
-output channel; activations quantized to int8 per token at run time) of every linear inside the blocks (qkv, proj,
-w_gate, w_up, w_down). The embedding, the (tied) LM head and the norm scales stay float32: they are a small part
-of the weights and the most sensitive to rounding. torch's own `torch.ao.quantization.quantize_dynamic` does the
+output channel; activations quantized to int8 per token at run time) of every linear the model's family names
+quantizable (model/family.py; the transformer's: those inside the blocks, qkv, proj, w_gate, w_up, w_down). The
+embedding, the (tied) LM head and the norm scales stay float32: they are a small part of the weights and the most
+sensitive to rounding. torch's own `torch.ao.quantization.quantize_dynamic` does the
 same but is deprecated in favour of torchao (torch 2.13 warns that it will be removed).
 
-Storage: `model_int8.pt` in the export directory, torch.save of the quantized DNATransformer's state dict (torchao
+Storage: `model_int8.pt` in the export directory, torch.save of the quantized model's state dict (torchao
 Int8Tensor weights, float32 for the rest; read back with weights_only=True, torchao registers its tensor types as
 safe). megagenome loads it (load_int8) by building the model from megagenome.json, quantizing it the same way,
 then load_state_dict. The size and the held-out bits/base of the int8 model next to the float32 one are measured
@@ -27,7 +28,7 @@ from megagenome.data.dataset import FastaTokens, GenomeData, build_genome_data, 
 from megagenome.data.fasta import Genome
 from megagenome.data.intervals import n_free_intervals, restrict
 from megagenome.data.tokenizer import VOCAB_SIZE, encode
-from megagenome.model import DNATransformer
+from megagenome.model import family_of
 
 INT8_WEIGHTS = "model_int8.pt"
 SCHEME = (
@@ -36,8 +37,9 @@ SCHEME = (
 )
 
 
-def quantize_int8(model: DNATransformer) -> DNATransformer:
-    """Quantize `model` (float32, on CPU) in place: every linear of its blocks to torchao dynamic int8."""
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Quantize `model` (float32, on CPU) in place: every linear its family names quantizable to torchao dynamic
+    int8."""
     # Quiet at import: torchao logs each CUDA-only kernel library it cannot load, torch each enum torchao registers.
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in quiet]
@@ -49,23 +51,25 @@ def quantize_int8(model: DNATransformer) -> DNATransformer:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
 
-    def in_blocks(module: torch.nn.Module, name: str) -> bool:
-        return isinstance(module, torch.nn.Linear) and name.startswith("blocks.")
+    family = family_of(model.cfg)
 
-    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=in_blocks)
+    def quantizable(module: torch.nn.Module, name: str) -> bool:
+        return isinstance(module, torch.nn.Linear) and family.quantizable(name)
+
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=quantizable)
     return model
 
 
-def save_int8(model: DNATransformer, path: str) -> int:
+def save_int8(model: torch.nn.Module, path: str) -> int:
     """Write the quantized model's state dict to `path`; its size in bytes."""
     torch.save(model.state_dict(), path)
     return os.path.getsize(path)
 
 
-def load_int8(model_cfg: ModelConfig, path: str) -> DNATransformer:
+def load_int8(model_cfg: ModelConfig, path: str) -> torch.nn.Module:
     """The int8 model saved by save_int8, in eval mode on CPU: built, quantized the same way, then loaded."""
     with torch.random.fork_rng(devices=[]):
-        model = DNATransformer(model_cfg, VOCAB_SIZE)
+        model = family_of(model_cfg).build(model_cfg, VOCAB_SIZE)
     quantize_int8(model.eval())
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model
@@ -126,7 +130,7 @@ def eval_batches(data: GenomeData, batch_size: int = 8) -> list[dict[str, torch.
 
 
 @torch.no_grad()
-def heldout_bits(model: DNATransformer, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+def heldout_bits(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
     """(bits per base, bases scored) of `model` over `batches` (the weighted loss the run's eval rows report)."""
     nll = weight = 0.0
     for batch in batches:

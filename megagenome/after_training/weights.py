@@ -15,11 +15,10 @@ from dataclasses import replace
 
 import torch
 
-from megagenome.after_training import hf_llama, quantize
+from megagenome.after_training import quantize
 from megagenome.config import ConfigError, ModelConfig, RootConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
-from megagenome.parallel.tensor_parallel import partition_dim
+from megagenome.model import family_of
 from megagenome.train.consolidate import CheckpointError, check_shapes, run_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,8 +31,8 @@ WEIGHTS = "model.safetensors"
 def read_weights(
     path: str, step: int | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], str, RootConfig | None]:
-    """(model config, dense weights with DNATransformer's keys, the directory read, the run config or None) of a run
-    directory (its newest complete checkpoint, or that of `step`) or a `megagenome export` directory."""
+    """(model config, dense weights with the model's state-dict keys, the directory read, the run config or None)
+    of a run directory (its newest complete checkpoint, or that of `step`) or a `megagenome export` directory."""
     if os.path.isfile(os.path.join(path, EXPORT_MANIFEST)):
         if step is not None:
             raise CheckpointError(f"{path} is an export directory: it holds one set of weights, --step does not apply")
@@ -45,13 +44,15 @@ def read_weights(
     return cfg.model, state, tag, cfg
 
 
-def build_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> DNATransformer:
-    """A DNATransformer on CPU holding `state` (fp32 master copies become the parameters' fp32). Eager: the training
-    run's --model.compile is not carried over (windows and batches of any shape would each recompile)."""
+def build_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The model of `model_cfg` (its family's) on CPU holding `state` (fp32 master copies become the parameters'
+    fp32). Eager: the training run's --model.compile is not carried over (windows and batches of any shape would
+    each recompile)."""
+    family = family_of(model_cfg)
     with torch.random.fork_rng(devices=[]):
-        model = DNATransformer(replace(model_cfg, compile=False), VOCAB_SIZE)
+        model = family.build(replace(model_cfg, compile=False), VOCAB_SIZE)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model_cfg.tie_embeddings)]
+    missing = [k for k in missing if k not in family.tied_weights(model_cfg)]
     if missing or unexpected:
         raise CheckpointError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
     return model
@@ -72,8 +73,8 @@ def read_manifest(path: str) -> dict:
 
 
 def read_export(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(the model config, the dense weights with DNATransformer's keys, in the stored dtype) of an export directory;
-    lm_head.weight is embed.weight when tied."""
+    """(the model config, the dense weights with the model's state-dict keys, in the stored dtype) of an export
+    directory; tied weights are one tensor again (lm_head.weight is embed.weight for a tied transformer)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -87,20 +88,20 @@ def read_export(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         weights = load_file(os.path.join(path, manifest["weights"]))
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"{path}: cannot read {manifest['weights']}: {e}") from e
-    if manifest["weight_names"] == "llama":
-        try:
-            state = hf_llama.from_llama(weights, model_cfg)
-        except KeyError as e:
-            raise CheckpointError(f"{path}: {e.args[0]}") from e
-    else:
-        state = dict(weights)
-        if model_cfg.tie_embeddings and "embed.weight" in state:
-            state["lm_head.weight"] = state["embed.weight"]
+    family, form = family_of(model_cfg), None
+    if manifest["weight_names"] != "megagenome":
+        form = family.huggingface(model_cfg)
+        if form is None or form.weight_names != manifest["weight_names"]:
+            raise CheckpointError(f"{path}: {manifest['weight_names']} weight names are not a {family.name} model's")
+    try:
+        state = form.from_hf(weights, VOCAB_SIZE) if form is not None else family.tie(dict(weights), model_cfg)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: {e.args[0]}") from e
     check_shapes(state, model_cfg, path)
     return model_cfg, state
 
 
-def load_int8(path: str) -> DNATransformer:
+def load_int8(path: str) -> torch.nn.Module:
     """The int8 model of an export written with --quantize int8, in eval mode on CPU."""
     manifest = read_manifest(path)
     if "int8" not in manifest:
@@ -113,8 +114,8 @@ def load_int8(path: str) -> DNATransformer:
 
 
 def init_from(model: torch.nn.Module, run_model: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-    """Load the weights of the export `run_model.init_from` into `model`, this rank's DNATransformer (its
-    tensor-parallel shard when tp_size > 1), before DeepSpeed wraps it. ConfigError when the export cannot be read
+    """Load the weights of the export `run_model.init_from` into `model`, this rank's model (its tensor-parallel
+    shard when tp_size > 1), before DeepSpeed wraps it. ConfigError when the export cannot be read
     or its model is not this run's shape (naming the tensor); max_seq_len, rope_theta, the rotary scaling, dropout and
     the rest of what no tensor holds may differ (a longer context: README "Context extension")."""
     path = run_model.init_from
@@ -123,9 +124,9 @@ def init_from(model: torch.nn.Module, run_model: ModelConfig, tp_rank: int = 0, 
         export_cfg, state = read_export(path)
     except CheckpointError as e:
         raise ConfigError([f"{flag}: {e}"]) from e
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DNATransformer(run_model, VOCAB_SIZE).state_dict().items()}
-    shape = f"d_model={export_cfg.d_model}, n_layer={export_cfg.n_layer}, n_head={export_cfg.n_head}"
+    family = family_of(run_model)
+    expected = family.expected_shapes(run_model, VOCAB_SIZE)
+    shape = family_of(export_cfg).describe(export_cfg)
     problems = [
         f"{flag}: tensor {k} is {list(state[k].shape)} in the export ({shape}), this run's model needs {list(want)}"
         for k, want in expected.items()
@@ -135,15 +136,16 @@ def init_from(model: torch.nn.Module, run_model: ModelConfig, tp_rank: int = 0, 
     problems += [f"{flag}: the export's tensor {k} is not in this run's model" for k in state if k not in expected]
     if problems:
         raise ConfigError(problems[:3] + ([f"... {len(problems) - 3} more"] if len(problems) > 3 else []))
-    local = {k: shard(k, v, tp_rank, tp_size) for k, v in state.items()}
+    local = {k: shard(k, v, tp_rank, tp_size, family) for k, v in state.items()}
     with torch.no_grad():
         model.load_state_dict(local, strict=True)
 
 
-def shard(name: str, weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def shard(name: str, weight: torch.Tensor, rank: int, size: int, family) -> torch.Tensor:
     """Tensor-parallel rank `rank`'s slice of the dense weight `name` (parallel/tensor_parallel.py splits a weight
-    into `size` contiguous chunks along its partition_dim); the whole weight when it is replicated."""
-    dim = partition_dim(name)
+    into `size` contiguous chunks along the dimension its model family names: model/family.py partition_dim); the
+    whole weight when it is replicated."""
+    dim = family.partition_dim(name)
     if dim is None or size == 1:
         return weight
     if weight.size(dim) % size:

@@ -17,8 +17,9 @@ from argparse import ArgumentError
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
 from megagenome.config.load import argument_problems, did_you_mean, problem_report, strict, value_problems
+
+from .args import Parsed
 
 # Command -> its module in this package, in the order `megagenome --help` lists them.
 COMMANDS = {

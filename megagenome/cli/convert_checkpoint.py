@@ -1,4 +1,6 @@
-"""`megagenome convert-checkpoint`: a checkpoint -> DeepSpeed's universal format (train/checkpoint.py does it)."""
+"""`megagenome convert-checkpoint` (layer L5): a checkpoint -> DeepSpeed's universal format (train/checkpoint.py does
+it).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import sys
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
+from .args import Parsed
 
 HELP = "Convert a checkpoint to resume it under another layout."
 

@@ -1,10 +1,12 @@
-"""`megagenome deepspeed-env`: write .deepspeed_env for DeepSpeed's multi-node launchers (cluster/commands.py)."""
+"""`megagenome deepspeed-env` (layer L5): write .deepspeed_env for DeepSpeed's multi-node launchers
+(cluster/commands.py).
+"""
 
 from __future__ import annotations
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
+from .args import Parsed
 
 HELP = "Write .deepspeed_env for DeepSpeed's multi-node launchers."
 

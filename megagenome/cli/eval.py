@@ -1,10 +1,12 @@
-"""`megagenome eval`: bits per base of a trained model on any FASTA (after_training/evaluate.py does the work)."""
+"""`megagenome eval` (layer L5): bits per base of a trained model on any FASTA (after_training/evaluate.py does the
+work).
+"""
 
 from __future__ import annotations
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed, model_source
+from .args import Parsed, model_source
 
 HELP = "Bits per base of a trained model on any FASTA."
 

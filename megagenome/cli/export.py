@@ -1,4 +1,6 @@
-"""`megagenome export`: a run -> model.safetensors and a Hugging Face model directory (after_training/export.py)."""
+"""`megagenome export` (layer L5): a run -> model.safetensors and a Hugging Face model directory
+(after_training/export.py).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from typing import Literal
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed, model_source
+from .args import Parsed, model_source
 
 HELP = "Consolidate a run into model.safetensors and a Hugging Face model directory."
 

@@ -1,11 +1,12 @@
-"""`megagenome find-micro-batch`: the largest micro batch that fits, by training trials (run/tune.py)."""
+"""`megagenome find-micro-batch` (layer L5): the largest micro batch that fits, by training trials (run/tune.py)."""
 
 from __future__ import annotations
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
 from megagenome.config.load import add_run_config, config_files, root_config
+
+from .args import Parsed
 
 HELP = "Largest micro batch that fits, by training trials."
 

@@ -1,10 +1,12 @@
-"""`megagenome hostfile`: write a DeepSpeed hostfile from a Slurm node list, or check one (cluster/commands.py)."""
+"""`megagenome hostfile` (layer L5): write a DeepSpeed hostfile from a Slurm node list, or check one
+(cluster/commands.py).
+"""
 
 from __future__ import annotations
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
+from .args import Parsed
 
 HELP = "Write or check a DeepSpeed hostfile."
 

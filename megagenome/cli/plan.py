@@ -1,4 +1,4 @@
-"""`megagenome plan`: predicted memory and step time of every candidate configuration (planner/plan.py)."""
+"""`megagenome plan` (layer L5): predicted memory and step time of every candidate configuration (planner/plan.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Literal
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
 from megagenome.config.load import add_run_config, root_config
+
+from .args import Parsed
 
 HELP = "Predict memory and step time; recommend a configuration."
 

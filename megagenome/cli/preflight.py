@@ -1,4 +1,6 @@
-"""`megagenome preflight`: check every rank's config, code, data and links before training (run/preflight.py)."""
+"""`megagenome preflight` (layer L5): check every rank's config, code, data and links before training
+(run/preflight.py).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +8,9 @@ import sys
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
 from megagenome.config.load import add_run_config, config_files, root_config
+
+from .args import Parsed
 
 HELP = "Check every rank's config, code, data and links."
 

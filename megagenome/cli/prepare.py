@@ -1,4 +1,5 @@
-"""`megagenome prepare`: the genomes of a manifest -> memory-mapped token shards (data/prepare.py does it)."""
+"""`megagenome prepare` (layer L5): the genomes of a manifest -> memory-mapped token shards (data/prepare.py does
+the work)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import sys
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
 from megagenome.config.load import load_manifest
+
+from .args import Parsed
 
 HELP = "Genomes of a manifest -> memory-mapped token shards."
 

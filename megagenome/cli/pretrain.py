@@ -1,4 +1,4 @@
-"""`megagenome pretrain`: its flags (the run config and --dry_run); the run itself is run/pretrain.py's."""
+"""`megagenome pretrain` (layer L5): its flags (the run config and --dry_run); the run itself is run/pretrain.py's."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import sys
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
 from megagenome.config import ConfigError
 from megagenome.config.load import config_files, root_config, run_config_parser
+
+from .args import Parsed
 
 HELP = "Pretrain a DNA language model."
 

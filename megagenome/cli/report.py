@@ -1,10 +1,10 @@
-"""`megagenome report`: PNG plots and a Markdown summary of a run (observe/report.py)."""
+"""`megagenome report` (layer L5): PNG plots and a Markdown summary of a run (observe/report.py)."""
 
 from __future__ import annotations
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed
+from .args import Parsed
 
 HELP = "PNG plots and a Markdown summary of a run."
 

@@ -1,10 +1,12 @@
-"""`megagenome score-variants`: zero-shot variant-effect scores of a VCF (after_training/variant_scoring.py)."""
+"""`megagenome score-variants` (layer L5): zero-shot variant-effect scores of a VCF
+(after_training/variant_scoring.py).
+"""
 
 from __future__ import annotations
 
 from jsonargparse import ArgumentParser
 
-from megagenome.cli.args import Parsed, model_source
+from .args import Parsed, model_source
 
 HELP = "Score the variants of a VCF with a trained model (and AUROC for labelled ones)."
 

@@ -52,7 +52,7 @@ def validate(cfg: RootConfig) -> list[str]:
 
 
 def _compile_problems(cfg: RootConfig) -> list[str]:
-    """--model.compile compiles DNATransformer's blocks (model/transformer.py compile_blocks): pipeline stages are
+    """--model.compile compiles DNATransformer's blocks (model/transformer/model.py compile_blocks): pipeline stages are
     built from the blocks by DeepSpeed's PipelineModule, where the flag would silently do nothing, and the tensor- and
     sequence-parallel communication inside a block is untested under torch.compile. (ZeRO-3 is refused with the
     DeepSpeed JSON, parallel/layout.py.)"""
@@ -357,7 +357,7 @@ def _log_problems(log: LogConfig) -> list[str]:
     if log.peak_tflops is not None and not log.peak_tflops > 0:
         problems.append(f"--log.peak_tflops={log.peak_tflops:g}: must be positive (TFLOP/s of one device)")
     if log.wandb and importlib.util.find_spec("wandb") is None:
-        problems.append("--log.wandb=true needs the wandb package: pip install 'megagenome[wandb]'")
+        problems.append("--log.wandb=true needs the wandb package: pip install -e '.[wandb]' (the wandb extra)")
     return problems
 
 

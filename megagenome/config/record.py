@@ -37,6 +37,7 @@ RESUME_MAY_CHANGE = frozenset(
 # default.
 RECORDED_WHEN_SET = frozenset(
     {
+        "model.family",
         "model.rope_scaling",
         "model.rope_factor",
         "model.rope_original_max_len",

@@ -21,8 +21,11 @@ _REGION = re.compile(r"^(?P<contig>\S+):(?P<start>[0-9][0-9,]*)-(?P<end>[0-9][0-
 
 @dataclass
 class ModelConfig:
-    """Transformer shape and objective."""
+    """The model: its family, shape and objective."""
 
+    family: Literal["transformer"] = "transformer"
+    """Model family (model/family.py; its implementation in model/<family>/): transformer, a LLaMA-style pre-norm
+    transformer with rotary embeddings and SwiGLU (clm or mlm)."""
     d_model: int = 128
     """Width of the residual stream."""
     n_layer: int = 4

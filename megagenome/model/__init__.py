@@ -1,6 +1,24 @@
-"""The DNA language model (layer L1): plain torch, no data, training or deepspeed imports."""
+"""DNA language models (layer L1): plain torch, no data, training or deepspeed imports.
+
+A model family (model/family.py) is what the rest of megagenome builds and asks about a model; FAMILIES holds them
+by --model.family name. The transformer (model/transformer/) is the first. Shared by every family: the layer
+factory, RMSNorm and initialisation (layers.py), the attention kernels (attention.py) and the distillation loss
+(distill.py).
+"""
 
 from megagenome.model.attention import attention_backend, attention_summary
-from megagenome.model.transformer import DNATransformer
+from megagenome.model.family import ModelFamily
+from megagenome.model.transformer import TRANSFORMER
 
-__all__ = ["DNATransformer", "attention_backend", "attention_summary"]
+FAMILIES: dict[str, ModelFamily] = {TRANSFORMER.name: TRANSFORMER}
+
+
+def family_of(cfg) -> ModelFamily:
+    """The family of a ModelConfig (its --model.family)."""
+    name = getattr(cfg, "family", "transformer")
+    if name not in FAMILIES:
+        raise ValueError(f"--model.family={name!r}: not one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+__all__ = ["FAMILIES", "ModelFamily", "attention_backend", "attention_summary", "family_of"]

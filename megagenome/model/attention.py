@@ -5,7 +5,7 @@ Backends (`--model.attention`):
     math    SDPA restricted to its math backend (plain matmuls and softmax; what CPU runs with dropout)
     sdpa    torch.nn.functional.scaled_dot_product_attention, letting torch choose its backend
     cudnn   SDPA restricted to the cuDNN backend (SDPBackend.CUDNN_ATTENTION; the fastest on Hopper)
-    flash   flash-attn 2 (`flash_attn.flash_attn_func`, the optional GPU extra `pip install megagenome[gpu]`)
+    flash   flash-attn 2 (`flash_attn.flash_attn_func`, the optional GPU extra `pip install -e '.[gpu]'`)
     fa3     FlashAttention-3 (`flash_attn_interface.flash_attn_func`, Hopper only, built from flash-attn's hopper/)
     auto    on CUDA in fp16/bf16: fa3 where it is importable on a 9.x GPU and there is no dropout, else cudnn on
             sm >= 8.0 where torch has it and there is no dropout, else flash when installed, else sdpa; sdpa
@@ -136,7 +136,7 @@ def _refuse(kernel: str, q: torch.Tensor, dropout_p: float) -> None:
     if kernel == "flash" and not flash_available():
         raise RuntimeError(
             "attention kernel 'flash' requested (--model.attention=flash) but flash_attn is not installed or "
-            "cannot be imported; install megagenome[gpu] or use --model.attention=auto"
+            "cannot be imported; install the gpu extra (pip install -e '.[gpu]') or use --model.attention=auto"
         )
     if kernel == "fa3" and not fa3_available():
         raise RuntimeError(

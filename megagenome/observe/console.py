@@ -1,4 +1,4 @@
-"""What a run prints, and where the rest goes (layer L4): the console shows megagenome's own lines (the start banner,
+"""What a run prints, and where the rest goes (layer L1): the console shows megagenome's own lines (the start banner,
 eval rows, checkpoints, the summary), errors and tracebacks, and the DeepSpeed warnings that matter; DeepSpeed's
 INFO lines, its debug prints and torch's deprecation warnings go to <run dir>/logs/ instead of vanishing:
 

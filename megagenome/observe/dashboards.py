@@ -46,8 +46,8 @@ def import_wandb():
     except ImportError as e:
         raise ConfigError(
             [
-                f"--log.wandb true: Weights & Biases is not installed ({e}); pip install 'megagenome[wandb]' "
-                "(or wandb), or leave --log.wandb false"
+                f"--log.wandb true: Weights & Biases is not installed ({e}); pip install -e '.[wandb]' (the wandb "
+                "extra, or wandb), or leave --log.wandb false"
             ]
         ) from e
     return wandb

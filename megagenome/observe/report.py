@@ -1,4 +1,4 @@
-"""`megagenome report RUN` (layer L4): PNG plots of a run's metrics and a short Markdown summary.
+"""`megagenome report RUN` (layer L1): PNG plots of a run's metrics and a short Markdown summary.
 
 Reads <run dir>/metrics.jsonl (required), summary.json (the Markov baselines, parameter count and wall time; absent
 while a run is in progress) and config.yaml (the model's shape), and writes into --output (default RUN/report):
@@ -165,7 +165,7 @@ def figure(plot: Plot, records: RunRecords):
 
 def _draw_baselines(ax, records: RunRecords) -> None:
     """summary.json's order-k Markov baselines as horizontal lines: dashed, coloured by order, the best one solid
-    red; the legend lists them top to bottom as the lines lie."""
+    red; the legend lists them by order k (0, 1, 2, ...), whatever their values."""
     from matplotlib import colormaps
 
     baselines = records.baselines
@@ -173,7 +173,7 @@ def _draw_baselines(ax, records: RunRecords) -> None:
         return
     best = min(baselines, key=baselines.get)
     cmap = colormaps["viridis"]
-    for k, v in sorted(baselines.items(), key=lambda kv: -kv[1]):
+    for k, v in sorted(baselines.items(), key=lambda kv: int(kv[0])):
         label = f"order-{k} Markov {v:.4f}" + (" (best)" if k == best else "")
         if k == best:
             ax.axhline(v, color="tab:red", linewidth=2.0, label=label)

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from megagenome.config.checks import ConfigError
-from megagenome.config.sections import ModelConfig, ParallelConfig, TrainConfig, d_ff
+from megagenome.config.sections import ModelConfig, ParallelConfig, TrainConfig
 
 PARTITION_METHODS = ("parameters", "uniform")  # or "type:<layer class regex>" (DeepSpeed's PipelineModule)
 
@@ -118,22 +118,23 @@ class ParallelLayout:
         parallel: ParallelConfig,
         model: ModelConfig,
         seq_len: int,
-        vocab_rows: int,
+        rules,
         zero: dict | None = None,
         zero_source: str = "the DeepSpeed JSON",
     ) -> ParallelLayout:
-        """The layout of `parallel` over `world_size` ranks for this model (vocab_rows: its padded vocabulary) and
-        window length, with the ZeRO stage of `zero` (the DeepSpeed JSON's zero_optimization section, set in
-        `zero_source`). Raises LayoutError listing every problem."""
+        """The layout of `parallel` over `world_size` ranks for this model and window length, with the ZeRO stage of
+        `zero` (the DeepSpeed JSON's zero_optimization section, set in `zero_source`). rules: the model family's
+        ParallelRules for this model (model/family.py: what each degree must divide). Raises LayoutError listing
+        every problem."""
         stage = (zero or {}).get("stage", 0)
         layout = cls(
             world_size, parallel.tensor, parallel.sequence, parallel.pipeline, stage if isinstance(stage, int) else 0
         )
         problems = _degree_problems(layout)
         if not problems:
-            problems += _sequence_problems(layout, model, seq_len)
-            problems += _tensor_problems(layout, model, vocab_rows)
-        problems += _pipeline_problems(parallel, model)
+            problems += _sequence_problems(layout, rules, seq_len)
+            problems += _tensor_problems(layout, rules)
+        problems += _pipeline_problems(parallel, model, rules)
         problems += _zero_problems(layout, zero or {}, zero_source)
         if model.compile and layout.zero_stage == 3:
             problems.append(
@@ -165,9 +166,14 @@ def _degree_problems(layout: ParallelLayout) -> list[str]:
     return problems
 
 
-def _sequence_problems(layout: ParallelLayout, model: ModelConfig, seq_len: int) -> list[str]:
-    """Sequence parallelism (DeepSpeed-Ulysses, parallel/sequence.py) splits every window and gives each rank whole
-    heads."""
+def _indivisible(sizes, degree: int, flags: str) -> list[str]:
+    """A problem for each of a family's sizes (model/family.py Divisible) that `degree` does not divide."""
+    return [f"{d.what} is not divisible by {flags}{d.why}" for d in sizes if d.size % degree]
+
+
+def _sequence_problems(layout: ParallelLayout, rules, seq_len: int) -> list[str]:
+    """Sequence parallelism (DeepSpeed-Ulysses, parallel/sequence.py) splits every window; each rank holds the
+    sizes of the family's rules.sequence (attention heads for the transformer) whole."""
     sp, tp, pp = layout.sequence, layout.tensor, layout.pipeline
     if sp <= 1:
         return []
@@ -177,12 +183,8 @@ def _sequence_problems(layout: ParallelLayout, model: ModelConfig, seq_len: int)
             f"--data.seq_len={seq_len} is not divisible by --parallel.sequence={sp}: each sequence-parallel "
             "rank holds an equal chunk of every window"
         )
-    if model.n_head > 0 and model.n_head % (sp * tp):
-        problems.append(
-            f"--model.n_head={model.n_head} is not divisible by --parallel.sequence={sp}"
-            + (f" x --parallel.tensor={tp}" if tp > 1 else "")
-            + ": sequence parallelism gives each rank whole attention heads over the full sequence"
-        )
+    flags = f"--parallel.sequence={sp}" + (f" x --parallel.tensor={tp}" if tp > 1 else "")
+    problems += _indivisible(rules.sequence, sp * tp, flags)
     if pp > 1:
         problems.append(
             f"--parallel.sequence={sp} with --parallel.pipeline={pp} is not supported: DeepSpeed's pipeline "
@@ -191,48 +193,30 @@ def _sequence_problems(layout: ParallelLayout, model: ModelConfig, seq_len: int)
     return problems
 
 
-def _tensor_problems(layout: ParallelLayout, model: ModelConfig, vocab_rows: int) -> list[str]:
-    """Tensor parallelism (parallel/tensor_parallel.py) splits heads, the MLP width and the vocabulary rows."""
+def _tensor_problems(layout: ParallelLayout, rules) -> list[str]:
+    """Tensor parallelism (parallel/tensor_parallel.py) splits what the family's rules.tensor names (heads, the
+    MLP width and the vocabulary rows for the transformer)."""
     tp = layout.tensor
-    if tp <= 1:
-        return []
-    problems = []
-    if model.n_head % tp:
-        problems.append(
-            f"--model.n_head={model.n_head} is not divisible by --parallel.tensor={tp}: each tensor-parallel rank "
-            "computes whole attention heads"
-        )
-    if d_ff(model) % tp:
-        problems.append(
-            f"the MLP width d_ff={d_ff(model)} (--model.d_ff, default 8/3 x --model.d_model rounded up to 64) is not "
-            f"divisible by --parallel.tensor={tp}"
-        )
-    if vocab_rows % tp:
-        problems.append(
-            f"the padded vocabulary ({vocab_rows} rows) is not divisible by --parallel.tensor={tp}: each "
-            "tensor-parallel rank holds an equal block of embedding rows"
-        )
-    return problems
+    return _indivisible(rules.tensor, tp, f"--parallel.tensor={tp}") if tp > 1 else []
 
 
-def _pipeline_problems(par: ParallelConfig, m: ModelConfig) -> list[str]:
-    """Pipeline stages (parallel/pipeline.py): the partition method, recomputation, blocks per stage."""
+def _pipeline_problems(par: ParallelConfig, m: ModelConfig, rules) -> list[str]:
+    """Pipeline stages (parallel/pipeline.py): the partition method, recomputation, layers per stage."""
     out = []
     method = par.pipeline_partition
     if method not in PARTITION_METHODS:
         # DeepSpeed matches type:NAME as a case-insensitive regex against the layers' class names.
-        tp = par.tensor > 1
-        embedding, head = ("VocabParallelEmbedding", "ColumnParallelLinear") if tp else ("Embedding", "Linear")
-        classes = [embedding, "Block", "RMSNorm"] + ([] if m.tie_embeddings else [head])
+        classes = list(rules.pipeline_classes[1 if par.tensor > 1 else 0])
         name = method[len("type:") :] if method.startswith("type:") else ""
         try:
             found = bool(name) and any(re.search(name, c, re.IGNORECASE) for c in classes)
         except re.error:
             found = False
         if not found:
+            example = classes[1] if len(classes) > 1 else classes[0]  # the repeated layer, after the embedding
             out.append(
                 f"--parallel.pipeline_partition={method!r}: use parameters, uniform or type:NAME with NAME "
-                f"matching a layer class ({', '.join(classes)}), e.g. type:Block"
+                f"matching a layer class ({', '.join(classes)}), e.g. type:{example}"
             )
     if par.pipeline_checkpoint_interval < 0:
         out.append(f"--parallel.pipeline_checkpoint_interval={par.pipeline_checkpoint_interval}: must be >= 0")
@@ -243,11 +227,9 @@ def _pipeline_problems(par: ParallelConfig, m: ModelConfig) -> list[str]:
                 "--parallel.pipeline > 1; use --model.checkpointing without pipeline parallelism"
             )
         return out
-    if m.n_layer < par.pipeline:
-        out.append(
-            f"--model.n_layer={m.n_layer} is below --parallel.pipeline={par.pipeline}: every stage needs at least "
-            "one transformer block"
-        )
+    flag, units, unit = rules.pipeline_units
+    if units < par.pipeline:
+        out.append(f"{flag}={units} is below --parallel.pipeline={par.pipeline}: every stage needs at least one {unit}")
     if m.checkpointing in ("full", "every_k"):
         out.append(
             f"--model.checkpointing={m.checkpointing} is not run by the pipeline engine (it runs the layers "

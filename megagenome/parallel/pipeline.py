@@ -1,6 +1,9 @@
-"""Pipeline parallelism (layer L2): DNATransformer as a DeepSpeed PipelineModule, and its train and eval steps.
+"""Pipeline parallelism (layer L2): a model family's model as a DeepSpeed PipelineModule, and its train and eval
+steps.
 
-DeepSpeed's pipeline engine runs a flat list of layers, each stage owning a contiguous slice of it:
+DeepSpeed's pipeline engine runs a flat list of layers, each stage owning a contiguous slice of it; the model gives
+it as pipeline_layers() (model/family.py PipelineLayers): an embedding, the body's layers, a head. For the
+transformer (model/transformer/family.py pipeline_prefixes names each layer's state-dict prefix):
 
     index        layer                  spec
     0            token embedding        TiedLayerSpec("embed") with --model.tie_embeddings, else the module
@@ -8,7 +11,7 @@ DeepSpeed's pipeline engine runs a flat list of layers, each stage owning a cont
     n + 1        final RMSNorm          the module
     n + 2        LM head                TiedLayerSpec("embed", forward_fn=tied_head), else the module
 
-Every rank builds the DNATransformer with the run's seed (as pp=1 does), with the tensor-parallel layer factory when
+Every rank builds the model with the run's seed (as pp=1 does), with the tensor-parallel layer factory when
 --parallel.tensor > 1 (its shard of the same weights, parallel/tensor_parallel.py), and hands DeepSpeed its modules: the
 stage keeps the ones it owns, so a pp=2 run starts from, and can be compared with, pp=1 (and tp x pp with tp). Tied
 embeddings are rebuilt by DeepSpeed on the first and the last stage and loaded with the model's weights (this rank's
@@ -22,15 +25,15 @@ over the tensor-parallel ranks; DeepSpeed sends each tensor rank a 1/tp slice an
 logits and `loss_fn` takes the vocabulary-parallel cross entropy: full logits never exist on one rank.
 
 A micro batch is (input_ids, (labels, loss_weight)): DeepSpeed feeds the first part to the first stage and hands
-the second to `loss_fn` on the last stage, so the loss weights travel with the labels. `loss_fn` is
-DNATransformer.forward's weighted cross-entropy, line for line.
+the second to `loss_fn` on the last stage, so the loss weights travel with the labels. `loss_fn` is the model's
+forward's weighted cross-entropy (DNATransformer.forward), line for line.
 
 The loop drives this engine through `train_step` (one engine.train_batch per optimizer step, its micro batches pulled
 through DeepSpeed's schedule; the loop's StepFn, like train/loop.py forward_backward_step) and `eval_sums`
 (engine.eval_batch), chosen once by the assembly (pretrain.py train_step, assembly.py Run.eval_sums). Checkpoints are
 DeepSpeed's pipeline layout: one layer_XX[-model_YY]-model_states.pt per layer (and tensor rank; tied copies after the
 first are not written) plus one mp_rank_XX_model_states.pt of optimizer state per stage and tensor rank;
-`dense_state_dict` reassembles the layer files into DNATransformer's state dict.
+`dense_state_dict` reassembles the layer files into the model's dense state dict.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megagenome.config import ModelConfig, ParallelConfig
-from megagenome.model import DNATransformer
+from megagenome.model import family_of
 from megagenome.parallel import tensor_parallel
 
 TIED_KEY = "embed"
@@ -67,7 +70,7 @@ def dense_token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: in
 
 
 def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor], token_loss: Callable) -> torch.Tensor:
-    """DNATransformer.forward's weighted cross-entropy on the last stage; labels = (labels, loss_weight);
+    """The model's weighted cross-entropy (DNATransformer.forward's) on the last stage; labels = (labels, loss_weight);
     token_loss(logits, targets) -> per-token nats (dense_token_loss, or the model's vocabulary-parallel one).
 
     Training (gradients enabled: DeepSpeed's train_batch requires them) returns the scalar loss
@@ -84,24 +87,26 @@ def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor], tok
     return torch.stack([nll_sum, weight_sum])  # (2,)
 
 
-def layer_specs(model: DNATransformer, tp_group=None) -> list:
+def layer_specs(model: nn.Module, tp_group=None) -> list:
     """`model` (dense, or this rank's tensor-parallel shard with tp_group its group) as the pipeline's layer list
-    (module docstring); DeepSpeed keeps only this rank's stage's layers."""
+    (its family's pipeline_layers(): embedding, body, head; module docstring); DeepSpeed keeps only this rank's
+    stage's layers."""
     from deepspeed.pipe import TiedLayerSpec
 
-    cfg, padded = model.cfg, model.padded_vocab_size
-    embed, head = model.embed, model.lm_head
-    if cfg.tie_embeddings:
+    layers = model.pipeline_layers()
+    embed, head = layers.embedding, layers.head
+    if layers.tied:
+        rows, dim = model.padded_vocab_size, embed.weight.size(1)
         if tp_group is None:
-            kind, args = nn.Embedding, (padded, cfg.d_model)
+            kind, args = nn.Embedding, (rows, dim)
         else:
-            kind, args = tensor_parallel.VocabParallelEmbedding, (padded, cfg.d_model, tp_group)
+            kind, args = tensor_parallel.VocabParallelEmbedding, (rows, dim, tp_group)
         embed = TiedLayerSpec(TIED_KEY, kind, *args)
         head = TiedLayerSpec(TIED_KEY, kind, *args, forward_fn=functools.partial(tied_head, group=tp_group))
-    return [embed, *model.blocks, model.norm, head]
+    return [embed, *layers.body, head]
 
 
-def build(model: DNATransformer, par: ParallelConfig, state, checkpoint_fn: Callable | None = None):
+def build(model: nn.Module, par: ParallelConfig, state, checkpoint_fn: Callable | None = None):
     """This rank's stage as a PipelineModule made of `model`'s layers: the dense model, or this rank's shard of it
     (built with tensor_parallel.TensorParallelLayers) when state.tp > 1. Call model.set_checkpoint_function first
     (the blocks keep their selective recompute function). par: --parallel.pipeline_partition and
@@ -148,7 +153,7 @@ def build(model: DNATransformer, par: ParallelConfig, state, checkpoint_fn: Call
     assert grid.get_slice_parallel_rank() == state.get_tensor_model_parallel_rank(), "pipeline topology mismatch"
     if TIED_KEY in module.tied_modules:
         with torch.no_grad():
-            module.tied_modules[TIED_KEY].load_state_dict(model.embed.state_dict())
+            module.tied_modules[TIED_KEY].load_state_dict(model.pipeline_layers().embedding.state_dict())
     # Gradient norms (clipping, logging): DeepSpeed counts a parameter on the first rank of its model-parallel
     # group (pipe x tensor) or wherever it is marked model-parallel, then sums over that group. Mark what each rank
     # must count, so every gradient counts exactly once: this stage's parameters, except the second copy of a
@@ -164,7 +169,7 @@ def build(model: DNATransformer, par: ParallelConfig, state, checkpoint_fn: Call
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups by DNATransformer.param_groups' rule: matrices decay, 1-D tensors (norm scales) do not."""
+    """AdamW groups by the model's param_groups rule: matrices decay, 1-D tensors (norm scales) do not."""
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
@@ -268,11 +273,11 @@ _LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
 
 def dense_state_dict(checkpoint_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """DNATransformer's state dict from a pipeline checkpoint directory (a step_XXXXXXXX tag): the layer files
-    renamed (layer 1 + i -> blocks.i.*), tensor-parallel shards (layer_XX-model_YY files) concatenated along their
-    partition dimension; with tied embeddings lm_head.weight is embed.weight, as in the model."""
-    n = cfg.n_layer
-    prefix = {0: "embed.", n + 1: "norm.", n + 2: "lm_head."} | {1 + i: f"blocks.{i}." for i in range(n)}
+    """The model's dense state dict from a pipeline checkpoint directory (a step_XXXXXXXX tag): layer i's file
+    renamed by its family's pipeline_prefixes (for the transformer: layer 1 + i -> blocks.i.*), tensor-parallel
+    shards (layer_XX-model_YY files) concatenated along their partition dimension, tied weights restored."""
+    family = family_of(cfg)
+    prefix = dict(enumerate(family.pipeline_prefixes(cfg)))
     shards: dict[int, dict[str, torch.Tensor]] = {}  # tensor rank -> its renamed tensors
     for name in sorted(os.listdir(checkpoint_dir)):
         m = _LAYER_FILE.match(name)
@@ -281,7 +286,5 @@ def dense_state_dict(checkpoint_dir: str, cfg: ModelConfig) -> dict[str, torch.T
         state = torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=True)
         shard = shards.setdefault(int(m.group(2) or 0), {})
         shard.update({prefix[int(m.group(1))] + k: v for k, v in state.items()})
-    out = tensor_parallel.merge_shards([shards[r] for r in sorted(shards)])
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
-    return out
+    out = tensor_parallel.merge_shards([shards[r] for r in sorted(shards)], family.partition_dim)
+    return family.tie(out, cfg)

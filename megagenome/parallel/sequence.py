@@ -5,8 +5,8 @@ The scheme, and where each piece lives:
 - Data (`shard_batch`, called by pretrain.py): the sp ranks of one data-parallel replica read the same
   samples and each keeps one contiguous chunk of T/sp positions of every (B, T) tensor. Embedding, norms,
   MLP and LM head work per position, so they run on the chunk unchanged.
-- Attention (train/engine.py `sequence_parallel_attention`, installed with
-  DNATransformer.set_sequence_parallel): DeepSpeed's DistributedAttention all-to-alls q, k and v from
+- Attention (train/engine.py `sequence_parallel_attention`, installed with the model's set_sequence_parallel,
+  e.g. DNATransformer's): DeepSpeed's DistributedAttention all-to-alls q, k and v from
   (B, T/sp, n_head) to (B, T, n_head/sp), so each rank runs the ordinary attention kernel over the whole
   sequence for n_head/sp heads (the causal mask is the usual one, since every rank sees positions 0..T-1),
   then all-to-alls the output back to (B, T/sp, n_head). Rotary embeddings are applied before the exchange,

@@ -1,6 +1,8 @@
 """Megatron-style tensor parallelism (layer L1): column/row-parallel linears, vocabulary-parallel embedding and
 cross entropy, dropout RNG streams, and `TensorParallelLayers`, the layer factory that builds one rank's shard of
-DNATransformer at construction (model/layers.py), as Megatron core chooses its parallel layers.
+a model family's model at construction (model/layers.py), as Megatron core chooses its parallel layers. Which
+layers a family builds column- or row-parallel is the family's (for the transformer: model/transformer/family.py
+partition_dims, as below).
 
 Plain torch + torch.distributed; every collective runs over the tensor-parallel group of a ParallelState
 (passed in, never a global). The scheme is Megatron-LM's (Shoeybi et al. 2019):
@@ -34,33 +36,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-# Which dimension of each sharded weight is split (0: output rows, column-parallel; 1: input columns,
-# row-parallel), by parameter-name suffix: how merge_shards reassembles the dense weights of a checkpoint.
-PARTITION_DIMS = {
-    "attn.qkv.weight": 0,
-    "attn.proj.weight": 1,
-    "mlp.w_gate.weight": 0,
-    "mlp.w_up.weight": 0,
-    "mlp.w_down.weight": 1,
-    "embed.weight": 0,
-    "lm_head.weight": 0,
-}
 # Megatron's seed offset of the tensor-parallel stream (its model_parallel_cuda_manual_seed).
 TP_SEED_OFFSET = 2718
 IGNORE_INDEX = -100
 
 
-def partition_dim(name: str) -> int | None:
-    """The split dimension of the parameter called `name` (a state-dict key), None when it is replicated."""
-    for suffix, dim in PARTITION_DIMS.items():
-        if name == suffix or name.endswith("." + suffix):
-            return dim
-    return None
-
-
-def merge_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def merge_shards(shards: list[dict[str, torch.Tensor]], partition_dim) -> dict[str, torch.Tensor]:
     """The dense state dict from the state dicts of tensor ranks 0..tp-1 (in order): sharded weights are
-    concatenated along their partition dimension; replicated ones are taken from rank 0 (they are equal)."""
+    concatenated along their partition dimension, partition_dim(name) (the model family's, model/family.py; None:
+    replicated); replicated ones are taken from rank 0 (they are equal)."""
     out = {}
     for name, first in shards[0].items():
         dim = partition_dim(name)
@@ -399,8 +383,8 @@ class TensorParallelLayers:
 
     Each layer is built dense (nn.Linear / nn.Embedding, drawing from the random stream exactly as DenseLayers
     does) and cut to this rank's shard at once, and its initialisation draws the dense weight and keeps the shard
-    (init_normal_): with the same seed, DNATransformer(cfg, V, TensorParallelLayers(...)) holds exactly the slices
-    of DNATransformer(cfg, V)'s weights, and only one dense layer exists at a time.
+    (init_normal_): with the same seed, a family's model built with TensorParallelLayers(...) holds exactly the slices
+    of the dense model's weights, and only one dense layer exists at a time.
     """
 
     def __init__(self, state, seed: int):

@@ -16,38 +16,8 @@ timing.py predicts a step from all training FLOPs at one assumed MFU; this modul
                   and states read and written / the same bandwidth
     communication the exposed gradient, tensor-parallel and offload time of timing.step_time (its own model)
 
-Elementwise bytes per token and layer (e = 2 bytes of a bf16 activation, 4 of fp32; d = d_model, f = d_ff; every
-kernel reads its inputs and writes its output once, as an unfused elementwise kernel does). "eager" is the block
-unfused, as model/layers.py wrote it before its fused paths (RMSNorm as fp32 ops, rotary per q and k, separate
-SwiGLU and residual kernels): an upper bound. The eager model of today sits between the two columns on a GPU
-(RMSNorm is torch's one fused rms_norm kernel, rotary one autograd node on the packed qkv, no layout copies; the
-residual adds, SwiGLU and rotary's own products are still separate kernels); "fused" is --model.compile:
-
-    forward   RMSNorm: x.float() 6d, pow 8d, mean 4d, x * rsqrt 8d, * weight 8d, .to(bf16) 6d = 40d, two    80d
-              rotary of q and of k: 4 half-width products, a difference, a sum (1d each in elements), cat
-              2d: 9d elements, 18d bytes, for q and for k                                              36d
-              attention output transposed back to (B, T, d) (a copy)                                     4d
-              residual adds (read two, write one) 6d, two                                               12d
-              SwiGLU: silu(gate) 4f, * up 6f                                                            10f
-    backward  RMSNorm: cast back 6d, * weight 8d (+ weight gradient 8d), * rsqrt 8d (+ its gradient 8d),
-              mean 4d, pow 12d, the two input gradients summed 12d, .float() 6d = 72d, two            144d
-              rotary: 4 products 4d, negation 1d, two sums 3d, the halves concatenated 2d: 20d, two    40d
-              qkv gradient stacked from q, k and v (unbind's backward)                                  12d
-              output gradient made contiguous for the kernel                                            4d
-              residual gradient sums 2 x 6d, the MLP input's two gradients summed 6d                   18d
-              SwiGLU: two products 12f, silu backward 6f                                                18f
-    eager: 132d + 10f forward, 218d + 18f backward: 350d + 28f per token and layer.
-
-    fused (a fused kernel or a regionally compiled block): add + RMSNorm in one kernel reading residual and
-    branch and writing both outputs, 8d, two; rotary in place on the packed qkv (q and k read and written), 8d;
-    attention output written in (B, T, heads, head_dim) order, 0; SwiGLU in one kernel reading g and u and
-    writing h, 6f: 24d + 6f forward. Backward: add + RMSNorm 8d, two; rotary into the packed qkv gradient 8d;
-    SwiGLU reading dh, g, u and writing dg, du 10f: 24d + 10f. fused: 48d + 16f per token and layer.
-
-Outside the blocks: the final RMSNorm (112d eager, 16d fused) and the loss, LOSS_BYTES_PER_VOCAB x vocabulary
-bytes per token (bf16 logits, their fp32 copy, log-softmax and its gradient; 8 DNA tokens make it negligible).
-Under tensor parallelism over t ranks the rotary, layout and SwiGLU bytes shrink by t; norms and residuals are
-replicated. Optimizer (fp32 master weights, Adam m and v, fp32 gradient accumulation: DeepSpeed's bf16 path):
+The elementwise bytes per token are the model family's (model/transformer/costs.py derives the transformer's,
+eager and fused). Optimizer (fp32 master weights, Adam m and v, fp32 gradient accumulation: DeepSpeed's bf16 path):
 every micro batch each parameter's 16-bit gradient is read and added into the accumulation buffer (p + 2g
 bytes); once per step fused AdamW reads the fp32 gradient (also for the clipping norm, 2 x 4), master weight, m
 and v and writes the last three (24), and the 16-bit weights are written (p): 32 + p bytes per parameter this
@@ -59,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megagenome.observe import metrics
-from megagenome.planner.activations import ModelShape, n_params, recompute_flops_per_token
 
 # Fraction of the dense bf16 peak the weight matmuls reach. Assumed: cuBLAS bf16 GEMMs of a 1B model's shapes
 # (M = tokens >= 8192, K and N >= 2048) run at 650-800 TFLOP/s on H100 SXM (989 peak), e.g. Megatron-core's GEMMs
@@ -76,7 +45,6 @@ ATTENTION_BWD_EFFICIENCY = 0.45
 BANDWIDTH_EFFICIENCY = 0.80
 # Backward FLOPs of a flash attention kernel per forward FLOP (FlashAttention's benchmark convention).
 ATTENTION_BWD_PER_FWD = 2.5
-LOSS_BYTES_PER_VOCAB = 32  # bf16 logits 2 + fp32 copy 2 + 4, log-softmax 8, its gradient 8 + cast back 8
 
 # Datasheet HBM bandwidth in TB/s by the table name metrics.gpu_peak gives a GPU (NVIDIA and AMD datasheets).
 # H200 NVL: NVIDIA's H200 datasheet gives 4.8 TB/s for the NVL card as for the SXM module; 3.9 TB/s is H100 NVL's.
@@ -102,23 +70,6 @@ def hbm_tbps(gpu: str) -> float | None:
     return None if found is None else HBM_TBPS.get(found[0])
 
 
-def elementwise_bytes(d: int, f: int, fused: bool, tp: int = 1) -> dict[str, float]:
-    """Bytes per token and layer moved by the block's elementwise work (module docstring), forward and backward:
-    replicated (norms, residual adds) plus sharded over tensor-parallel ranks (rotary, layout copies, SwiGLU)."""
-    if fused:
-        forward, backward = 16 * d + (8 * d + 6 * f) / tp, 16 * d + (8 * d + 10 * f) / tp
-    else:
-        forward = 80 * d + 12 * d + (36 * d + 4 * d + 10 * f) / tp
-        backward = 144 * d + 18 * d + (40 * d + 12 * d + 4 * d + 18 * f) / tp
-    return {"forward": forward, "backward": backward}
-
-
-def outside_bytes(shape: ModelShape, fused: bool, tp: int = 1) -> float:
-    """Bytes per token of the final norm and the loss (forward and backward)."""
-    norm = 16 * shape.d_model if fused else 112 * shape.d_model
-    return norm + LOSS_BYTES_PER_VOCAB * shape.padded_vocab / tp
-
-
 @dataclass(frozen=True)
 class Rates:
     """The GPU's rates: dense peak (TFLOP/s) and HBM bandwidth (TB/s), and the stated efficiencies."""
@@ -139,7 +90,7 @@ class Rates:
 
 
 def breakdown(
-    shape: ModelShape,
+    shape,
     seq: int,
     micro: int,
     accum: int,
@@ -156,20 +107,18 @@ def breakdown(
     """Seconds of one optimizer step on one GPU by term (TERMS), their sum, each term's share, and the MFU the sum
     implies in both conventions (module docstring for every formula). comm_s: the exposed communication and offload
     seconds of timing.step_time for the same configuration."""
-    L, d, causal = shape.n_layer, shape.d_model, shape.causal
     tokens = micro * accum * seq  # this GPU's tokens per step (a tensor-parallel group shares them)
-    psi = n_params(shape)
-    cores = metrics.attention_core_forward_flops_per_token(L, d, seq, causal)  # L*C
+    psi = shape.n_params()
+    cores = shape.attention_flops_per_token(seq)  # L*C
     rerun = policy != "none"  # every policy reruns the cores once; full and every_k whole blocks
-    weight_rerun = recompute_flops_per_token(shape, seq, policy) - (cores if rerun else 0.0)
+    weight_rerun = shape.recompute_flops_per_token(seq, policy) - (cores if rerun else 0.0)
     matmul = (6.0 * psi + weight_rerun) * tokens / tp / rates.flop_s(rates.matmul)
     fwd = cores * (1 + rerun) / rates.flop_s(rates.attention_fwd)
     attention = (fwd + ATTENTION_BWD_PER_FWD * cores / rates.flop_s(rates.attention_bwd)) * tokens / tp
-    block = elementwise_bytes(d, shape.d_ff, fused, tp)
     forward_reruns = 2 if policy in ("full", "every_k") else 1
-    per_token = L * (forward_reruns * block["forward"] + block["backward"]) + outside_bytes(shape, fused, tp)
+    per_token = shape.elementwise_bytes_per_token(fused, tp, forward_reruns)
     elementwise = per_token * tokens / rates.bytes_s
-    p_rank = n_params(shape, tp)
+    p_rank = shape.n_params(tp)
     updated = p_rank / dp if stage >= 1 else p_rank
     optimizer_bytes = accum * p_rank * (weight_bytes + 2 * grad_accum_bytes) + updated * (32 + weight_bytes)
     seconds = {
@@ -180,8 +129,8 @@ def breakdown(
         "communication": comm_s,
     }
     total = sum(seconds.values())
-    model_flops = tokens * metrics.flops_per_token(psi, L, d, seq, causal) / tp
-    full_flops = tokens * metrics.flops_per_token(psi, L, d, seq, causal=False) / tp
+    model_flops = tokens * shape.flops_per_token(seq) / tp
+    full_flops = tokens * shape.flops_per_token(seq, causal=False) / tp
     return {
         "fused": fused,
         "ms": {k: 1e3 * v for k, v in seconds.items()},

@@ -13,22 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.planner.activations import (
-    ModelShape,
-    activation_bytes,
-    block_params,
-    gradient_buffer_elements,
-    n_params,
-    param_groups,
-    param_numels,
-    persistent_params,
-)
 from megagenome.planner.states import (
     DS_DEFAULTS,
     STATES,
     Precision,
+    gradient_buffer_elements,
     model_states,
     paper_bytes,
+    persistent_params,
     resident_buffers,
     transient_buffers,
 )
@@ -54,7 +46,7 @@ class Candidate:
 class Setup:
     """Everything fixed across candidates."""
 
-    shape: ModelShape
+    shape: object  # the model family's cost model (model/family.py ModelFamily.costs)
     seq: int
     global_batch: int
     precision: Precision
@@ -90,13 +82,14 @@ def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
     accum = max(1, setup.global_batch // (setup.dp * cand.micro))
     prec = setup.precision.at_stage(cand.stage)
     knobs = setup.knobs(cand.stage, cand.offload)
-    psi = n_params(shape, tp)
-    persistent = persistent_params(shape, knobs["stage3_param_persistence_threshold"], tp)
-    edges = max(gradient_buffer_elements(param_groups(shape, tp), dp))  # the rank with the most
+    psi = shape.n_params(tp)
+    threshold = knobs["stage3_param_persistence_threshold"]
+    persistent = persistent_params(shape, threshold, tp)
+    edges = max(gradient_buffer_elements(shape.param_groups(tp), dp))  # the rank with the most
     states = model_states(psi, persistent, cand.stage, dp, prec, cand.offload, edges, setup.optimizer_bytes)
-    largest = max(param_numels(shape, tp))
+    largest = max(shape.param_numels(tp))
     resident = resident_buffers(psi, cand.stage, dp, prec, knobs, largest, cand.offload)
-    transient = transient_buffers(psi, cand.stage, prec, knobs, block_params(shape, tp))
+    transient = transient_buffers(psi, cand.stage, prec, knobs, shape.block_params(tp))
     acts, act_seq = stage_activations(setup, cand, prec.p, tp)
     gpu = {name: states[name].gpu for name in STATES}
     gpu["activations"] = acts["saved"] + acts["transient"]
@@ -124,7 +117,7 @@ def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
         offload=cand.offload,
         persistent=persistent,
         comm_bytes=setup.comm_bytes,
-        gathered_tensors=sum(1 for n in param_numels(shape, tp) if n > knobs["stage3_param_persistence_threshold"]),
+        gathered_tensors=sum(1 for n in shape.param_numels(tp) if n > threshold),
     )
     tokens = layout.batch_of(cand.micro, accum).global_batch * setup.seq
     return {
@@ -162,9 +155,9 @@ def stage_activations(setup: Setup, cand: Candidate, weight_bytes: int, tp: int)
     with the length; in windows mode a shorter stage holds fewer tokens."""
     sized = []
     for seq, k in ((setup.seq, 1), *setup.warmup):
-        acts = activation_bytes(
-            setup.shape, seq, cand.micro * k, cand.policy, weight_bytes, cand.every, setup.kernel, None,
-            setup.mask_bytes, tp,
+        acts = setup.shape.activation_bytes(
+            seq, cand.micro * k, cand.policy, weight_bytes, every=cand.every, kernel=setup.kernel,
+            mask_bytes=setup.mask_bytes, tp=tp,
         )  # fmt: skip
         sized.append((acts["saved"] + acts["transient"], seq, acts))
     _, seq, acts = max(sized, key=lambda t: t[:2])  # ties: the longer length

@@ -15,17 +15,17 @@ import json
 import os
 import sys
 
-from megagenome.config import RootConfig, d_ff
+import megagenome
+from megagenome.config import RootConfig
 from megagenome.config.checks import seq_warmup_problems
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model.transformer import padded_vocab_size
+from megagenome.model import family_of
 from megagenome.observe.metrics import peak_tflops
 from megagenome.parallel.layout import LayoutError, ParallelLayout
-from megagenome.planner.activations import ModelShape, n_params
 from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
 from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
-from megagenome.planner.states import DTYPE_BYTES, STATES, Precision, bytes_per_parameter, model_shapes
+from megagenome.planner.states import DTYPE_BYTES, STATES, Precision, bytes_per_parameter
 from megagenome.planner.timing import Cluster
 from megagenome.train import optimizers
 from megagenome.train.ds_config import (
@@ -38,7 +38,7 @@ from megagenome.train.ds_config import (
     zero_stage,
 )
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(megagenome.__file__))), "ds_configs")
 PROG = "megagenome plan"
 
 
@@ -50,20 +50,9 @@ class PlanError(ValueError):
         super().__init__("; ".join(problems))
 
 
-def shape_of(cfg: RootConfig) -> ModelShape:
-    m = cfg.model
-    return ModelShape(
-        d_model=m.d_model,
-        n_layer=m.n_layer,
-        n_head=m.n_head,
-        d_ff=d_ff(m),
-        vocab_size=VOCAB_SIZE,
-        padded_vocab=padded_vocab_size(VOCAB_SIZE),
-        tie_embeddings=m.tie_embeddings,
-        max_seq_len=m.max_seq_len,
-        dropout=m.dropout,
-        causal=m.objective == "clm",
-    )
+def shape_of(cfg: RootConfig):
+    """The cost model of the run config's model (its family's: model/family.py costs), what the planner computes on."""
+    return family_of(cfg.model).costs(cfg.model, VOCAB_SIZE)
 
 
 def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tuple[ParallelLayout | None, list[str]]:
@@ -91,9 +80,10 @@ def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tu
     if cluster.hbm_tbps is not None and not cluster.hbm_tbps > 0:
         problems.append(f"--hbm_tbps={cluster.hbm_tbps}: must be positive")
     m, par = cfg.model, cfg.parallel
-    shape_ok = m.d_model > 0 and m.n_head > 0 and m.n_layer > 0 and not m.d_model % m.n_head
-    if not shape_ok:
-        problems.append(f"--model.d_model={m.d_model} must be a positive multiple of --model.n_head={m.n_head}")
+    family = family_of(m)
+    shape_problems = family.shape_problems(m)
+    problems += shape_problems
+    shape_ok = not shape_problems
     if cfg.data.seq_len <= 0 or cfg.data.seq_len > m.max_seq_len:
         problems.append(f"--data.seq_len={cfg.data.seq_len}: must be within [1, --model.max_seq_len={m.max_seq_len}]")
     for flag, value in (("parallel.pipeline", par.pipeline), ("parallel.sequence", par.sequence)):
@@ -102,7 +92,7 @@ def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tu
     if not shape_ok or cluster.gpus < 1 or par.pipeline != 1 or par.sequence != 1:
         return None, problems
     try:
-        layout = ParallelLayout.build(cluster.gpus, par, m, cfg.data.seq_len, padded_vocab_size(VOCAB_SIZE))
+        layout = ParallelLayout.build(cluster.gpus, par, m, cfg.data.seq_len, family.parallel_rules(m, VOCAB_SIZE))
     except LayoutError as e:
         return None, problems + e.problems
     if par.tensor > cluster.gpus_per_node:
@@ -207,7 +197,7 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
     ]
     yours = _your_config(setup, cfg, ds, dp)
     out = {
-        "model": {**dataclasses.asdict(setup.shape), "parameters": n_params(setup.shape), "seq_len": setup.seq},
+        "model": {**dataclasses.asdict(setup.shape), "parameters": setup.shape.n_params(), "seq_len": setup.seq},
         "cluster": {**dataclasses.asdict(cluster), "peak_tflops": peak, "tensor_parallel": tp, "data_parallel": dp},
         "global_batch": global_batch,
         "curriculum": Curriculum.from_config(cfg.data).describe() if cfg.data.seq_warmup_lengths else None,
@@ -257,9 +247,7 @@ def _notes(prec: Precision) -> list[str]:
 
 def _optimizer_bytes(cfg: RootConfig, tp: int) -> float:
     """Optimizer-state bytes per parameter of --train.optimizer for this model (planner/states.py)."""
-    m = cfg.model
-    shapes = model_shapes(m.d_model, d_ff(m), m.n_layer, padded_vocab_size(VOCAB_SIZE), m.tie_embeddings, tp)
-    return bytes_per_parameter(cfg.train.optimizer, shapes)
+    return bytes_per_parameter(cfg.train.optimizer, shape_of(cfg).param_shapes(tp))
 
 
 def _breakdown(setup: Setup, row: dict | None, which: str) -> dict | None:

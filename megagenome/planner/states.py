@@ -84,14 +84,29 @@ def optimizer_state_bytes(optimizer: str, shapes: list[tuple[tuple[int, ...], bo
     return total
 
 
-def model_shapes(d_model: int, d_ff: int, n_layer: int, padded_vocab: int, tied: bool, tp: int = 1) -> list:
-    """(shape, is a hidden matrix) of each parameter a rank holds, as DNATransformer builds them (tied once)."""
-    d, f = d_model, d_ff
-    out = [((padded_vocab // tp, d), False)]
-    block = [((d,), False), ((3 * d // tp, d), True), ((d, d // tp), True), ((d,), False)]
-    block += [((f // tp, d), True), ((f // tp, d), True), ((d, f // tp), True)]
-    out += block * n_layer + [((d,), False)]
-    return out if tied else out + [((padded_vocab // tp, d), False)]
+def gradient_buffer_elements(groups: tuple[list[int], ...], dp: int, alignment: int = 2) -> list[int]:
+    """Per rank, the elements of ZeRO-1/2's contiguous gradient buffer (grads_in_partition): DeepSpeed flattens each
+    parameter group, pads it to a multiple of alignment x dp, cuts it into dp equal partitions and gives each rank
+    the whole gradient of every parameter that overlaps its partition, so a rank whose partition starts or ends
+    inside a parameter holds all of it."""
+    out = [0] * dp
+    for numels in groups:
+        total = sum(numels)
+        padded = math.ceil(total / (alignment * dp)) * alignment * dp
+        size = padded // dp
+        starts = [0]
+        for n in numels:
+            starts.append(starts[-1] + n)
+        for rank in range(dp):
+            lo, hi = rank * size, (rank + 1) * size
+            out[rank] += sum(n for n, start in zip(numels, starts) if start < hi and start + n > lo)
+    return out
+
+
+def persistent_params(shape, threshold: int, tp: int = 1) -> int:
+    """Elements ZeRO-3 keeps whole on every rank: parameters of at most stage3_param_persistence_threshold (shape: a
+    model family's cost model, model/family.py)."""
+    return sum(n for n in shape.param_numels(tp) if n <= threshold)
 
 
 def bytes_per_parameter(optimizer: str, shapes: list) -> float:
@@ -149,7 +164,7 @@ def model_states(
     """Per-rank bytes of params, grads, master_params, optimizer_states as DeepSpeed 0.19.8 holds them.
 
     grad_elements: this rank's elements of the stage 1-2 contiguous gradient buffer, whole parameters at the
-    partition's edges included (activations.gradient_buffer_elements); default Psi/N. optimizer_bytes: state bytes
+    partition's edges included (gradient_buffer_elements); default Psi/N. optimizer_bytes: state bytes
     per parameter of --train.optimizer (bytes_per_parameter; 8 for AdamW).
     """
     if stage not in (0, 1, 2, 3) or dp < 1:

@@ -35,8 +35,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megagenome.observe.metrics import flops_per_token
-from megagenome.planner.activations import ModelShape, n_params, recompute_flops_per_token
 from megagenome.planner.states import DS_DEFAULTS, Precision
 
 
@@ -122,7 +120,7 @@ class Step:
 
 
 def step_time(
-    shape: ModelShape,
+    shape,
     seq: int,
     micro: int,
     accum: int,
@@ -141,23 +139,21 @@ def step_time(
 ) -> Step:
     """Predicted step time of one configuration (module docstring for the model)."""
     knobs = {**DS_DEFAULTS, **(zero or {})}
-    psi = n_params(shape)
-    p_rank = n_params(shape, tp)
+    p_rank = shape.n_params(tp)
     prec = precision.at_stage(stage)
     c = comm_bytes or prec.p
-    model_flops = flops_per_token(psi, shape.n_layer, shape.d_model, seq, shape.causal)  # forward 1/3, backward 2/3
+    model_flops = shape.flops_per_token(seq)  # forward 1/3, backward 2/3
     seconds_per_token_flop = micro * seq / tp / (peak_tflops * 1e12 * cluster.mfu)
-    t_micro = (model_flops + recompute_flops_per_token(shape, seq, policy)) * seconds_per_token_flop
+    t_micro = (model_flops + shape.recompute_flops_per_token(seq, policy)) * seconds_per_token_flop
     t_fwd = model_flops / 3.0 * seconds_per_token_flop
     t_bwd = t_micro - t_fwd  # recomputation runs inside the backward pass
     compute = accum * t_micro
 
     tensor = 0.0
     if tp > 1:
-        act = micro * seq * shape.d_model * prec.p
-        per_layer = 4 + (2 if policy in ("full", "every_k") else 0)
+        count, act = shape.tensor_parallel_traffic(micro, seq, prec.p, policy)
         one = collective_time("all_reduce", act, tp, cluster.intra_node_gbps, cluster.latency_us)
-        tensor = accum * shape.n_layer * per_layer * one
+        tensor = accum * count * one
 
     bw, lat = dp_bandwidth(cluster, dp, tp), cluster.latency_us
     grads, params = p_rank * c, p_rank * prec.p

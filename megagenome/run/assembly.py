@@ -30,9 +30,8 @@ from megagenome.data import fingerprint as data_fingerprint
 from megagenome.data import quick_checks
 from megagenome.data.dataset import GenomeData, build_genome_data, build_prepared_data
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
+from megagenome.model import family_of
 from megagenome.model.distill import Teacher
-from megagenome.model.transformer import dense_parameters, padded_vocab_size
 from megagenome.parallel import pipeline
 from megagenome.parallel.layout import BatchSizes, LayoutError, ParallelLayout
 from megagenome.parallel.sequence import shard_batch
@@ -123,14 +122,8 @@ def _ds_json(cfg: RootConfig, config_files: list[str], runtime: bool) -> tuple[d
 def _layout(cfg: RootConfig, world_size: int, ds_json: dict) -> ParallelLayout:
     zero = ds_config.zero_section(ds_json)
     files = ds_config.ds_config_files(cfg.train)
-    return ParallelLayout.build(
-        world_size, cfg.parallel, cfg.model, cfg.data.seq_len, vocab_rows(), zero, " + ".join(files)
-    )
-
-
-def vocab_rows() -> int:
-    """Rows of the embedding and LM head: the tokenizer's vocabulary, padded (model/transformer.py)."""
-    return padded_vocab_size(VOCAB_SIZE)
+    rules = family_of(cfg.model).parallel_rules(cfg.model, VOCAB_SIZE)
+    return ParallelLayout.build(world_size, cfg.parallel, cfg.model, cfg.data.seq_len, rules, zero, " + ".join(files))
 
 
 def _data(cfg: RootConfig, layout: ParallelLayout) -> tuple[GenomeData | None, list[str]]:
@@ -181,7 +174,7 @@ class Run:
     batch: BatchSizes
     ranks: Ranks
     ds_config: dict  # the exact dict given to deepspeed.initialize
-    model: torch.nn.Module  # what the engine wraps: this rank's DNATransformer (shard), or its pipeline stage
+    model: torch.nn.Module  # what the engine wraps: this rank's model (shard), or its pipeline stage
     engine: object
     checkpoint_fn: object  # DeepSpeed's activation-checkpoint function, None: torch's
     sp_loss_factor: int  # chunk losses are scaled by this under sequence parallelism (engine.py)
@@ -239,7 +232,7 @@ def assemble(validated: Validated, ranks: Ranks) -> Run:
     # Dropout streams differ across data-parallel ranks but not across tensor-parallel ones, whose residual streams
     # are replicas (rank // tp drops the fastest axis; the attention-dropout stream is forked per tensor rank).
     torch.manual_seed(cfg.train.seed + 1000 * (ranks.rank // layout.tensor))
-    total, block = dense_parameters(cfg.model, VOCAB_SIZE)
+    total, block = family_of(cfg.model).parameter_counts(cfg.model, VOCAB_SIZE)
     factor = ds.sequence_parallel_grad_factor(ds_conf, layout.sequence)
     fingerprint = validated.data_fingerprint
     return Run(
@@ -247,14 +240,14 @@ def assemble(validated: Validated, ranks: Ranks) -> Run:
     )
 
 
-def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[DNATransformer, object]:
-    """This rank's DNATransformer: built with the run's seed on every rank (identical initial weights), by the
+def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[torch.nn.Module, object]:
+    """This rank's model (its family's build): built with the run's seed on every rank (identical weights), by the
     tensor-parallel layer factory when --parallel.tensor > 1 (its shard of the same weights), with DeepSpeed's
     activation-checkpoint function when the JSON configures one and Ulysses attention with --parallel.sequence."""
     state = ranks.state
     torch.manual_seed(cfg.train.seed)
     layers = TensorParallelLayers(state, seed=cfg.train.seed) if state.tp > 1 else None
-    model = DNATransformer(cfg.model, VOCAB_SIZE, layers)
+    model = family_of(cfg.model).build(cfg.model, VOCAB_SIZE, layers)
     if cfg.model.init_from:  # an export's weights (this rank's shard); a resumed run's checkpoint then replaces them
         from megagenome.after_training.weights import init_from
 
@@ -269,7 +262,7 @@ def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[DNATransformer
 
 def _teacher(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> Teacher:
     """The frozen teacher of --train.distill_from, whole on this rank's device in the run's precision."""
-    from megagenome.after_training.inference import DTYPES, build_model, read_weights
+    from megagenome.after_training.weights import DTYPES, build_model, read_weights
 
     flag = f"--train.distill_from={cfg.train.distill_from}"
     try:

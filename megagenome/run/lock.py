@@ -1,4 +1,4 @@
-"""One run per run directory (layer L1, stdlib only): an exclusive lock on `<run dir>/.megagenome.lock`.
+"""One run per run directory (layer L4, stdlib only): an exclusive lock on `<run dir>/.megagenome.lock`.
 
 Two runs started into the same --log.run_dir would interleave their metrics.jsonl and overwrite each other's
 config.yaml, summary.json and checkpoints. The first run takes an exclusive `flock` on the lock file and keeps the

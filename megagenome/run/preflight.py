@@ -33,6 +33,7 @@ import socket
 import sys
 import uuid
 
+import megagenome
 from megagenome.config import ConfigError, RootConfig, to_dict
 from megagenome.observe.record import git_commit
 from megagenome.run import assembly
@@ -66,7 +67,7 @@ def sha256_file(path: str, chunk: int = 8 << 20) -> str:
 
 def source_hash() -> str:
     """SHA-256 over the package's .py files (relative path and content), in path order."""
-    root = pathlib.Path(__file__).resolve().parent
+    root = pathlib.Path(megagenome.__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")

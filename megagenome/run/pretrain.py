@@ -28,9 +28,9 @@ import torch
 from megagenome.config import ConfigError, RootConfig, config_hash, resume_record, signal_number, to_dict
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import GenomeData
-from megagenome.model import attention_summary
+from megagenome.model import attention_summary, family_of
 from megagenome.observe import console, dashboards
-from megagenome.observe.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak, run_flops
+from megagenome.observe.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak
 from megagenome.observe.record import env_record, write_json, write_yaml
 from megagenome.parallel import pipeline, tensor_parallel
 from megagenome.parallel.sequence import shard_batch
@@ -386,7 +386,8 @@ def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
     segments = layout.pipeline > 1 and cfg.parallel.pipeline_checkpoint_interval > 0
 
     def counts(seq: int) -> tuple[float, float, float, float]:  # torch's checkpoint stops early, DeepSpeed's not
-        return run_flops(m, run.dense_parameters, run.block_parameters, seq, run.checkpoint_fn is None, segments)
+        early_stop = run.checkpoint_fn is None
+        return family_of(m).run_flops(m, run.dense_parameters, run.block_parameters, seq, early_stop, segments)
 
     flops, flops_full, hw_flops, hw_flops_full = counts(seq)
     return LoopPlan(

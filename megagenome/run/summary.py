@@ -179,12 +179,15 @@ def print_summary(s: dict) -> None:
 def _heldout(s: dict) -> list[str]:
     """The held-out line (the model against the best Markov baseline) and the line of every baseline."""
     model, markov, best = s["heldout_bits_per_base"], s["markov_bits_per_base"], str(s["best_markov_order"])
-    verdict = "below" if s["beats_best_markov"] else "not yet below"
-    shown = "not evaluated yet" if model is None else f"{model:.4f} (model)"
+    shown, verdict, margin = "not evaluated yet", "not yet below", ""
+    if model is not None:  # the margin with its sign, as report.md gives it: negative below the baseline
+        gap = model - markov[best]
+        side = "below" if s["beats_best_markov"] else "above, not yet below"
+        shown, verdict, margin = f"{model:.4f} (model)", f"{abs(gap):.4f} {side}", f" (margin {gap:+.4f})"
     strands = {"both": " (fitted on both strands)", "forward": ""}
     orders = f"order-{min(markov, key=int)}..{max(markov, key=int)}" if len(markov) > 1 else f"order-{best}"
     return [
-        f"held-out bits/base {shown}: {verdict} the best Markov baseline, order-{best} at {markov[best]:.4f}",
+        f"held-out bits/base {shown}: {verdict} the best Markov baseline, order-{best} at {markov[best]:.4f}{margin}",
         f"Markov baselines   {orders}: {' '.join(f'{v:.4f}' for v in markov.values())}"
         f"{strands.get(s.get('markov_strands'), '')}",
     ]

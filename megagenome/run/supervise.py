@@ -1,4 +1,4 @@
-"""`python -m megagenome.run.supervise [--max_restarts N] -- COMMAND...` (layer L5): run a launch of `megagenome
+"""`python -m megagenome.run.supervise [--max_restarts N] -- COMMAND...` (layer L4): run a launch of `megagenome
 pretrain` so that signals reach every rank, no process outlives it, and a failed run is restarted.
 
     python -m megagenome.run.supervise -- deepspeed --num_gpus 8 --module megagenome pretrain --config run.yaml

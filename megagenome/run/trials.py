@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import megagenome
 from megagenome.config import RootConfig, to_dict
 from megagenome.observe.record import write_yaml
 
@@ -121,7 +122,7 @@ def trial_config(cfg: RootConfig, steps: int, grad_accum: int = 1) -> RootConfig
 def child_env() -> dict:
     """The environment of a trial: this one without launcher variables, with this package importable."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(megagenome.__file__)))  # the package's parent
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -9,11 +9,12 @@ Where the weights are, by layout (the run's config.yaml and ds_config.json say w
   weights;
 - ZeRO 0-2, any tensor-parallel degree, sequence parallel: mp_rank_XX_model_states.pt (one per tensor rank, written
   by data-parallel rank 0) holds the module's weights in the run's dtype, the ones its forward used; tensor shards
-  are concatenated along their split dimension (parallel/tensor_parallel.py merge_shards);
+  are concatenated along their family's split dimension (parallel/tensor_parallel.py merge_shards);
 - universal checkpoints (`megagenome convert-checkpoint`): zero/<parameter>/fp32.pt, already merged.
 
-The result has DNATransformer's keys (lm_head.weight is embed.weight when tied) and is checked against the model
-shape of the run's config: a checkpoint of another model is refused naming the first tensor that differs.
+The result has the model's state-dict keys (its family's tied aliases restored: lm_head.weight is embed.weight for a
+tied transformer) and is checked against the shapes the run config's model has (the family's expected_shapes): a
+checkpoint of another model is refused naming the first tensor that differs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from megagenome.config import ModelConfig, RootConfig
 from megagenome.config.load import load_config
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import DNATransformer
+from megagenome.model import family_of
 from megagenome.parallel import pipeline
 from megagenome.parallel.tensor_parallel import merge_shards
 from megagenome.train import checkpoint
@@ -62,7 +63,7 @@ def run_weights(run_dir: str, step: int | None = None) -> tuple[RootConfig, dict
 
 
 def dense_state_dict(tag: str, cfg: RootConfig, ds_json: dict) -> dict[str, torch.Tensor]:
-    """DNATransformer's state dict (on CPU, in the dtype the checkpoint holds) from the checkpoint directory `tag`
+    """The model's dense state dict (on CPU, in the dtype the checkpoint holds) from the checkpoint directory `tag`
     written under cfg's layout and the DeepSpeed dict ds_json (the run's ds_config.json)."""
     if checkpoint.is_universal(tag):
         state = _universal(tag)
@@ -78,9 +79,8 @@ def dense_state_dict(tag: str, cfg: RootConfig, ds_json: dict) -> dict[str, torc
         if not files:
             raise CheckpointError(f"{tag}: no mp_rank_*_model_states.pt files")
         shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
-        state = merge_shards(shards)
-    if cfg.model.tie_embeddings and "embed.weight" in state:
-        state["lm_head.weight"] = state["embed.weight"]
+        state = merge_shards(shards, family_of(cfg.model).partition_dim)
+    state = family_of(cfg.model).tie(state, cfg.model)
     state = {k: v.detach().contiguous() for k, v in state.items()}
     check_shapes(state, cfg.model, tag)
     return state
@@ -98,8 +98,7 @@ def _universal(tag: str) -> dict[str, torch.Tensor]:
 
 def check_shapes(state: dict[str, torch.Tensor], model: ModelConfig, source: str) -> None:
     """Refuse weights that are not the model `model` describes: missing or extra tensors, or another shape."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DNATransformer(model, VOCAB_SIZE).state_dict().items()}
+    expected = family_of(model).expected_shapes(model, VOCAB_SIZE)
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     wrong = [(k, tuple(state[k].shape), want) for k, want in expected.items() if k in state and state[k].shape != want]

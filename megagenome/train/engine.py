@@ -221,7 +221,7 @@ def sequence_parallel_grad_factor(ds_config: dict, sp: int) -> int:
 
 def sequence_parallel_attention(group):
     """DeepSpeed-Ulysses attention over the sequence-parallel process group `group`, as the callable that
-    DNATransformer.set_sequence_parallel installs: attention(core, q, k, v) with q, k, v of shape
+    a model's set_sequence_parallel installs (model/family.py): attention(core, q, k, v) with q, k, v of shape
     (B, n_head, T/sp, head_dim) on each rank returns core's output for this rank's positions, having run core
     over all T positions for n_head/sp heads (see parallel/sequence.py)."""
     from deepspeed.sequence.layer import DistributedAttention

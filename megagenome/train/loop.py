@@ -73,7 +73,7 @@ class LoopPlan:
     loss_shards: int = 1
     # Name of the signal that stops the run with a checkpoint for a requeue (--checkpoint.signal); None: not watched.
     stop_signal: str | None = None
-    # FLOPs per token the hardware runs, recomputation included (metrics.hardware_flops_per_token); None: no
+    # FLOPs per token the hardware runs, recomputation included (the model family's run_flops); None: no
     # recompute, the same as flops_per_token.
     hw_flops_per_token: float | None = None
     # The same two counts with every attention score counted (causal=False, PaLM's convention), for the *_full_attn
@@ -402,10 +402,6 @@ def _train_row(engine, plan: LoopPlan, window: _Window, done: int, own_norm, tok
         "loss_scale": _loss_scale(engine),
         "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
     }
-
-    def __init__(self, message: str, step: int, exit_code: int = PREEMPTED_EXIT, saved: bool = True):
-        super().__init__(message)
-        self.step, self.exit_code, self.saved = step, exit_code, saved
 
 
 def _step_or_stop(train_step: StepFn, engine, step: int, save_checkpoint: Callable[[int], None]):

@@ -186,18 +186,26 @@ def client_optimizer(cfg: RootConfig, ds_conf: dict, model: torch.nn.Module, gro
     return torchao_adamw8bit(groups, compiled=cfg.model.compile, **kwargs)
 
 
+def _vocab_ids(model: torch.nn.Module) -> set[int]:
+    """ids of the model's vocabulary matrices (model/family.py LanguageModel.vocab_parameters); none for a module
+    without them (a pipeline stage)."""
+    vocab = getattr(model, "vocab_parameters", None)
+    return {id(p) for p in vocab()} if vocab is not None else set()
+
+
 def tag_muon(model: torch.nn.Module) -> None:
     """use_muon on every parameter: True for the 2-D hidden matrices (attention qkv/proj, MLP), False for the token
     embedding, the LM head and norm scales (Muon's authors' prescription). deepspeed.initialize re-tags by its own
-    rule (2-D and not named embed/lm_head), which gives the same answer for DNATransformer (tested)."""
-    vocab = {id(m.weight) for m in (getattr(model, "embed", None), getattr(model, "lm_head", None)) if m is not None}
+    rule (2-D and not named embed/lm_head), which gives the same answer for DNATransformer (tested). The vocabulary
+    matrices are the model's vocab_parameters() (model/family.py LanguageModel)."""
+    vocab = _vocab_ids(model)
     for p in model.parameters():
         p.use_muon = p.dim() == 2 and id(p) not in vocab
 
 
 def state_bytes(optimizer: str, model: torch.nn.Module) -> float:
     """Optimizer-state bytes of `model`'s parameters under `optimizer` (planner/states.py optimizer_state_bytes)."""
-    vocab = {id(m.weight) for m in (getattr(model, "embed", None), getattr(model, "lm_head", None)) if m is not None}
+    vocab = _vocab_ids(model)
     shapes = [(tuple(p.shape), p.dim() == 2 and id(p) not in vocab) for p in model.parameters()]
     return optimizer_state_bytes(optimizer, shapes)
 

@@ -266,3 +266,7 @@ class Preempted(TrainingStopped):
     when it fitted in the grace period (`saved`). Resuming continues exactly where the saved checkpoint stopped."""
 
     exit_code = PREEMPTED_EXIT
+
+    def __init__(self, message: str, step: int, exit_code: int = PREEMPTED_EXIT, saved: bool = True):
+        super().__init__(message)
+        self.step, self.exit_code, self.saved = step, exit_code, saved

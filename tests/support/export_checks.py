@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megagenome.after_training.export import export
 from megagenome.after_training.weights import read_export, shard
 from megagenome.config.load import config_from_dict
+from megagenome.model.transformer import TRANSFORMER
 from megagenome.run import assembly
 from support.helpers import tiny_config
 
@@ -39,7 +40,9 @@ def init_from_two_ranks(run_dir: str, runs: dict, fasta: str) -> None:
     _, dense = read_export(out)
     tp_rank = run.ranks.state.get_tensor_model_parallel_rank()
     state = run.model.state_dict()
-    equal = {k: bool(torch.equal(v.detach().cpu(), shard(k, dense[k], tp_rank, 2))) for k, v in state.items()}
+    equal = {
+        k: bool(torch.equal(v.detach().cpu(), shard(k, dense[k], tp_rank, 2, TRANSFORMER))) for k, v in state.items()
+    }
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
         json.dump({"tp_rank": tp_rank, "equal": equal, "shapes": {k: list(v.shape) for k, v in state.items()}}, fh)
     dist.barrier()

@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from megagenome.config import ModelConfig
+from megagenome.model.transformer import TRANSFORMER
 from megagenome.observe.metrics import read_metrics
 from megagenome.parallel import pipeline
 from megagenome.parallel.tensor_parallel import merge_shards
@@ -131,7 +132,7 @@ class Runs:
         files = sorted(tag.glob("mp_rank_*_model_states.pt"))
         assert files, f"{name}: no model-state files in {tag}"
         shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
-        return {k: v.float() for k, v in merge_shards(shards).items()}
+        return {k: v.float() for k, v in merge_shards(shards, TRANSFORMER.partition_dim).items()}
 
     def checks(self, name: str = "checks") -> list[dict]:
         """Every rank's results of a check scenario (support/tp_checks.py, sp_checks.py): <run_dir>/rank<r>.json."""

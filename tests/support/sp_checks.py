@@ -15,8 +15,8 @@ import os
 import torch
 
 from megagenome.config import ModelConfig
-from megagenome.model import DNATransformer
 from megagenome.model.attention import attention
+from megagenome.model.transformer import DNATransformer
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.parallel.sequence import shard_batch
 from megagenome.parallel.state import ParallelState

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megagenome.config import ModelConfig
-from megagenome.model import DNATransformer
+from megagenome.model.transformer import TRANSFORMER, DNATransformer
 from megagenome.parallel import tensor_parallel as tp
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.parallel.state import ParallelState
@@ -144,7 +144,7 @@ def _weight_diffs(dense: nn.Module, sharded: nn.Module, rank: int, size: int) ->
     local = dict(sharded.named_parameters())
     worst = 0.0
     for name, p in dense.named_parameters():
-        dim = tp.partition_dim(name)
+        dim = TRANSFORMER.partition_dim(name)
         worst = max(worst, _diff(local[name], p if dim is None else _chunk(p, dim, rank, size)))
     return worst
 
@@ -153,7 +153,7 @@ def _grad_diffs(dense: nn.Module, sharded: nn.Module, grads: dict[str, torch.Ten
     """Largest difference between this rank's gradient of every parameter and its slice of the dense gradient."""
     worst = 0.0
     for name, p in dense.named_parameters():
-        dim = tp.partition_dim(name)
+        dim = TRANSFORMER.partition_dim(name)
         expected = p.grad if dim is None else _chunk(p.grad, dim, rank, size)
         worst = max(worst, _diff(grads[name], expected))
     return worst

@@ -1,6 +1,7 @@
-"""DNATransformer as a Hugging Face `LlamaForCausalLM` (layer L4): the weight-name and layout mapping both ways, the
-config.json and generation_config.json of the Llama architecture, and a single-nucleotide tokenizer written as
-`tokenizers` JSON by hand, so that `megagenome export` needs neither transformers nor tokenizers.
+"""DNATransformer as a Hugging Face `LlamaForCausalLM` (layer L1): the weight-name and layout mapping both ways and
+the config.json of the Llama architecture, the transformer family's Hugging Face form (LlamaForm). The export
+writes the rest of the directory (tokenizer, generation config: after_training/hf_files.py), so that `megagenome
+export` needs neither transformers nor tokenizers.
 
 The two models compute the same function (tested to 1e-4 in fp32, tests/test_export.py): both are pre-norm with
 RMSNorm computed in float32, rotary embeddings in the rotate_half convention (dimension i pairs with i +
@@ -14,15 +15,17 @@ only produce real tokens.
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
 from megagenome.config import ModelConfig, d_ff
-from megagenome.data.tokenizer import AMBIGUOUS, PAD_ID, VOCAB, VOCAB_SIZE
-from megagenome.model.layers import YARN_BETA_FAST, YARN_BETA_SLOW, ntk_theta, rope_original_max_len, yarn_mscale
-from megagenome.model.transformer import padded_vocab_size
+from megagenome.model.transformer.blocks import (
+    YARN_BETA_FAST,
+    YARN_BETA_SLOW,
+    ntk_theta,
+    rope_original_max_len,
+    yarn_mscale,
+)
+from megagenome.model.transformer.model import padded_vocab_size
 
 # Per block: megagenome's name -> Llama's (inside model.layers.{i}.); qkv is split separately.
 BLOCK_NAMES = {
@@ -34,17 +37,16 @@ BLOCK_NAMES = {
     "mlp.w_down.weight": "mlp.down_proj.weight",
 }
 QKV = ("q_proj", "k_proj", "v_proj")
-SPECIAL = VOCAB[: VOCAB.index("A")]  # <pad> <mask> <sep>: never generated
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def to_llama(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def to_llama(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """Llama's state dict (contiguous tensors, no shared ones: the tied head is the embedding's rows) of a dense
     DNATransformer state dict."""
     head_dim = cfg.d_model // cfg.n_head
-    out = {"model.embed_tokens.weight": state["embed.weight"][:VOCAB_SIZE], "model.norm.weight": state["norm.weight"]}
+    out = {"model.embed_tokens.weight": state["embed.weight"][:vocab_size], "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"][:VOCAB_SIZE]
+        out["lm_head.weight"] = state["lm_head.weight"][:vocab_size]
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         for name, llama in BLOCK_NAMES.items():
@@ -55,15 +57,19 @@ def to_llama(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def from_llama(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def from_llama(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """DNATransformer's dense state dict of a Llama state dict written by to_llama: qkv interleaved per head again,
     the vocabulary rows padded back with zeros, lm_head.weight the embedding when tied."""
     head_dim = cfg.d_model // cfg.n_head
     missing = [k for k in _llama_names(cfg) if k not in state]
     if missing:
         raise KeyError(f"the Llama weights lack {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-    out = {"embed.weight": _pad_rows(state["model.embed_tokens.weight"]), "norm.weight": state["model.norm.weight"]}
-    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_embeddings else _pad_rows(state["lm_head.weight"])
+    rows = padded_vocab_size(vocab_size)
+    out = {
+        "embed.weight": _pad_rows(state["model.embed_tokens.weight"], rows),
+        "norm.weight": state["model.norm.weight"],
+    }
+    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_embeddings else _pad_rows(state["lm_head.weight"], rows)
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         for name, llama in BLOCK_NAMES.items():
@@ -81,20 +87,19 @@ def _llama_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
-    rows = padded_vocab_size(VOCAB_SIZE)
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     if weight.size(0) >= rows:
         return weight
     return torch.cat([weight, weight.new_zeros(rows - weight.size(0), *weight.shape[1:])])
 
 
-def llama_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+def llama_config(cfg: ModelConfig, dtype: torch.dtype, vocab_size: int, pad_token_id: int) -> dict:
     """config.json of the LlamaForCausalLM that computes `cfg`'s model (every field that differs from Llama's
     defaults is spelled out; rope_theta also at the top level for transformers 4.x)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": d_ff(cfg),
         "num_hidden_layers": cfg.n_layer,
@@ -114,7 +119,7 @@ def llama_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "use_cache": True,
         "bos_token_id": None,
         "eos_token_id": None,
-        "pad_token_id": PAD_ID,
+        "pad_token_id": pad_token_id,
         "dtype": DTYPE_NAMES[dtype],
     }
 
@@ -147,63 +152,21 @@ def rope_fields(cfg: ModelConfig) -> dict:
     return {"rope_parameters": params, "rope_theta": theta, "rope_scaling": dict(params)}
 
 
-def generation_config() -> dict:
-    """generation_config.json: no end-of-sequence token (a genome has none; give max_new_tokens), and the special
-    tokens suppressed so that `generate` writes bases only."""
-    return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": PAD_ID, "suppress_tokens": list(range(3))}
+class LlamaForm:
+    """The Hugging Face form of a causal transformer's export (model/family.py ModelFamily.huggingface):
+    `LlamaForCausalLM` weights under Llama's names, its config.json, and back."""
 
+    weight_names = "llama"  # megagenome.json's "weight_names" of an export in this form
+    architecture = "LlamaForCausalLM"
 
-def tokenizer_json() -> dict:
-    """A `tokenizers` JSON tokenizer equal to megagenome's (data/tokenizer.py): one token per base, lowercase
-    (soft-masked) bases to the uppercase ids, IUPAC ambiguity codes to N, whitespace dropped; the special tokens
-    matched whole; decoding joins the tokens without spaces."""
-    lower = [(chr(b).lower(), chr(b)) for b in b"ACGT"]
-    ambiguous = "[" + AMBIGUOUS.decode() + AMBIGUOUS.decode().lower() + "]"
-    normalizers = [{"type": "Replace", "pattern": {"String": a}, "content": b} for a, b in lower]
-    normalizers += [
-        {"type": "Replace", "pattern": {"Regex": ambiguous}, "content": "N"},
-        {"type": "Replace", "pattern": {"Regex": r"\s"}, "content": ""},
-    ]
-    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-    added = [{"id": VOCAB.index(t), "content": t, **flags} for t in SPECIAL]
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
-        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
-        "post_processor": None,
-        "decoder": {"type": "Fuse"},
-        "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(VOCAB)}, "unk_token": "N"},
-    }
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
 
+    def to_hf(self, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+        return to_llama(state, self.cfg, vocab_size)
 
-def tokenizer_config(cfg: ModelConfig) -> dict:
-    """tokenizer_config.json: the fast tokenizer class and its special tokens."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": cfg.max_seq_len,
-        "pad_token": "<pad>",
-        "mask_token": "<mask>",
-        "sep_token": "<sep>",
-        "unk_token": "N",
-        "clean_up_tokenization_spaces": False,
-        "model_input_names": ["input_ids", "attention_mask"],
-    }
+    def from_hf(self, weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+        return from_llama(weights, self.cfg, vocab_size)
 
-
-def write_hf_files(out_dir: str, cfg: ModelConfig, dtype: torch.dtype) -> list[str]:
-    """Write the Llama config, generation config and tokenizer files into out_dir; their names."""
-    files = {
-        "config.json": llama_config(cfg, dtype),
-        "generation_config.json": generation_config(),
-        "tokenizer.json": tokenizer_json(),
-        "tokenizer_config.json": tokenizer_config(cfg),
-        "special_tokens_map.json": {"pad_token": "<pad>", "mask_token": "<mask>", "sep_token": "<sep>"},
-    }
-    for name, data in files.items():
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-    return list(files)
+    def config(self, dtype: torch.dtype, vocab_size: int, pad_token_id: int) -> dict:
+        return llama_config(self.cfg, dtype, vocab_size, pad_token_id)

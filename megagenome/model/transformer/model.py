@@ -1,4 +1,5 @@
-"""DNATransformer: token embedding, n_layer pre-norm Blocks, final RMSNorm and a (tied) LM head.
+"""DNATransformer (layer L1): token embedding, n_layer pre-norm Blocks, final RMSNorm and a (tied) LM head; the
+transformer family's module (model/transformer/family.py), which implements model/family.py's LanguageModel.
 
 forward() returns the weighted loss together with its numerator and denominator (nll_sum in
 nats, weight_sum), so the training loop can sum them over micro-batches and ranks and report
@@ -19,7 +20,9 @@ from torch import nn
 from megagenome.config import ModelConfig
 from megagenome.model.attention import resolve_before_compile
 from megagenome.model.distill import Teacher, distill_sums
-from megagenome.model.layers import Block, DenseLayers, RMSNorm, init_normal_
+from megagenome.model.family import PipelineLayers
+from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_
+from megagenome.model.transformer.blocks import Block
 
 # Embedding rows are padded to a multiple of this so the LM-head matmul has tensor-core friendly shapes.
 VOCAB_MULTIPLE = 8
@@ -219,6 +222,14 @@ class DNATransformer(nn.Module):
             if self.lm_head.weight is not self.embed.weight:
                 n -= self.lm_head.weight.numel()
         return n
+
+    def vocab_parameters(self) -> list[nn.Parameter]:
+        """The token embedding and the LM head weights (one tensor when tied): the vocabulary matrices."""
+        return list({id(p): p for p in (self.embed.weight, self.lm_head.weight)}.values())
+
+    def pipeline_layers(self) -> PipelineLayers:
+        """The model as the pipeline's layer list: embedding, the blocks and the final norm, the LM head."""
+        return PipelineLayers(self.embed, [*self.blocks, self.norm], self.lm_head, self.cfg.tie_embeddings)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW parameter groups: matrices (linears, embedding) decay; norm scales and other 1-D tensors do not."""

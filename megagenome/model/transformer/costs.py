@@ -1,4 +1,5 @@
-"""Parameter shapes and saved-activation bytes of the megagenome transformer (layer L1, pure arithmetic).
+"""The transformer's cost model (layer L1, pure arithmetic): its parameter tensors, saved-activation bytes per
+checkpointing policy, elementwise bytes and FLOPs, for the planner (planner/) and the FLOP accounting.
 
 The per-block formula is derived from what autograd saves for backward in model/layers.py, tensor by tensor (the
 bytes a torch.autograd.graph.saved_tensors_hooks count sees, one count per storage, parameters excluded). With
@@ -33,6 +34,39 @@ blocks, whatever the policy: the token ids (8bs), the final norm, the LM head's 
 
 With tensor parallelism over t ranks (Megatron layout, no sequence parallelism) the core, the proj input and the
 SwiGLU hidden states shrink by t; norms, block inputs, dropout masks and the qkv/mlp inputs are replicated.
+
+Elementwise bytes per token and layer (e = 2 bytes of a bf16 activation, 4 of fp32; d = d_model, f = d_ff; every
+kernel reads its inputs and writes its output once, as an unfused elementwise kernel does). "eager" is the block
+unfused, as model/layers.py wrote it before its fused paths (RMSNorm as fp32 ops, rotary per q and k, separate
+SwiGLU and residual kernels): an upper bound. The eager model of today sits between the two columns on a GPU
+(RMSNorm is torch's one fused rms_norm kernel, rotary one autograd node on the packed qkv, no layout copies; the
+residual adds, SwiGLU and rotary's own products are still separate kernels); "fused" is --model.compile:
+
+    forward   RMSNorm: x.float() 6d, pow 8d, mean 4d, x * rsqrt 8d, * weight 8d, .to(bf16) 6d = 40d, two    80d
+              rotary of q and of k: 4 half-width products, a difference, a sum (1d each in elements), cat
+              2d: 9d elements, 18d bytes, for q and for k                                              36d
+              attention output transposed back to (B, T, d) (a copy)                                     4d
+              residual adds (read two, write one) 6d, two                                               12d
+              SwiGLU: silu(gate) 4f, * up 6f                                                            10f
+    backward  RMSNorm: cast back 6d, * weight 8d (+ weight gradient 8d), * rsqrt 8d (+ its gradient 8d),
+              mean 4d, pow 12d, the two input gradients summed 12d, .float() 6d = 72d, two            144d
+              rotary: 4 products 4d, negation 1d, two sums 3d, the halves concatenated 2d: 20d, two    40d
+              qkv gradient stacked from q, k and v (unbind's backward)                                  12d
+              output gradient made contiguous for the kernel                                            4d
+              residual gradient sums 2 x 6d, the MLP input's two gradients summed 6d                   18d
+              SwiGLU: two products 12f, silu backward 6f                                                18f
+    eager: 132d + 10f forward, 218d + 18f backward: 350d + 28f per token and layer.
+
+    fused (a fused kernel or a regionally compiled block): add + RMSNorm in one kernel reading residual and
+    branch and writing both outputs, 8d, two; rotary in place on the packed qkv (q and k read and written), 8d;
+    attention output written in (B, T, heads, head_dim) order, 0; SwiGLU in one kernel reading g and u and
+    writing h, 6f: 24d + 6f forward. Backward: add + RMSNorm 8d, two; rotary into the packed qkv gradient 8d;
+    SwiGLU reading dh, g, u and writing dg, du 10f: 24d + 10f. fused: 48d + 16f per token and layer.
+
+Outside the blocks: the final RMSNorm (112d eager, 16d fused) and the loss, LOSS_BYTES_PER_VOCAB x vocabulary
+bytes per token (bf16 logits, their fp32 copy, log-softmax and its gradient; 8 DNA tokens make it negligible).
+Under tensor parallelism over t ranks the rotary, layout and SwiGLU bytes shrink by t; norms and residuals are
+replicated.
 """
 
 from __future__ import annotations
@@ -40,15 +74,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megagenome.observe import metrics
+from megagenome.model.transformer import flops
 
 POLICIES = ("none", "selective", "every_k", "full")
 KERNELS = ("flash", "math")
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs of a model: its config's shape plus the vocabulary (data-dependent)."""
+class TransformerShape:
+    """The transformer's cost model: its config's shape plus the vocabulary (data-dependent), and the arithmetic the
+    planner (planner/) asks every family's cost model for, as methods (the module functions below do the work)."""
 
     d_model: int
     n_layer: int
@@ -63,8 +98,56 @@ class ModelShape:
     """Count attention FLOPs in the causal convention (Megatron-LM, metrics.py): a clm model; False for mlm, or to
     reproduce a count that took every score (the Megatron-LM 2019 calibration in tests/test_plan.py)."""
 
+    def param_numels(self, tp: int = 1) -> list[int]:
+        """Elements of each parameter tensor one of `tp` tensor-parallel ranks holds, in model order."""
+        return param_numels(self, tp)
 
-def _param_table(shape: ModelShape, tp: int = 1) -> list[tuple[int, bool]]:
+    def param_groups(self, tp: int = 1) -> tuple[list[int], list[int]]:
+        """Elements of the parameters in the optimizer's two groups (decay, no decay), in model order."""
+        return param_groups(self, tp)
+
+    def param_shapes(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
+        """(shape, is a hidden matrix) of each parameter a rank holds: what optimizer-state bytes depend on."""
+        return model_shapes(self.d_model, self.d_ff, self.n_layer, self.padded_vocab, self.tie_embeddings, tp)
+
+    def n_params(self, tp: int = 1) -> int:
+        return n_params(self, tp)
+
+    def block_params(self, tp: int = 1) -> int:
+        """Parameters of the repeated unit (one block): what ZeRO-3 gathers at once and what recomputation reruns."""
+        return block_params(self, tp)
+
+    def activation_bytes(self, seq: int, micro: int, policy: str, act_bytes: int, **kwargs) -> dict[str, int]:
+        """Saved-activation bytes of one micro batch under a checkpointing policy (activation_bytes)."""
+        return activation_bytes(self, seq, micro, policy, act_bytes, **kwargs)
+
+    def flops_per_token(self, seq: int, causal: bool | None = None) -> float:
+        """Model FLOPs per token (flops.py), in this shape's convention unless `causal` says otherwise."""
+        return flops.flops_per_token(
+            n_params(self), self.n_layer, self.d_model, seq, self.causal if causal is None else causal
+        )
+
+    def attention_flops_per_token(self, seq: int) -> float:
+        """Forward FLOPs per token of the attention cores (what a flash kernel runs), in this shape's convention."""
+        return flops.attention_core_forward_flops_per_token(self.n_layer, self.d_model, seq, self.causal)
+
+    def recompute_flops_per_token(self, seq: int, policy: str, early_stop: bool = True) -> float:
+        return recompute_flops_per_token(self, seq, policy, early_stop)
+
+    def elementwise_bytes_per_token(self, fused: bool, tp: int = 1, forward_runs: int = 1) -> float:
+        """Bytes per token moved by elementwise work (module docstring): every block's forward `forward_runs` times
+        (2 when checkpointing reruns it) and its backward once, plus the final norm and the loss."""
+        block = elementwise_bytes(self.d_model, self.d_ff, fused, tp)
+        return self.n_layer * (forward_runs * block["forward"] + block["backward"]) + outside_bytes(self, fused, tp)
+
+    def tensor_parallel_traffic(self, micro: int, seq: int, act_bytes: int, policy: str) -> tuple[int, int]:
+        """(all-reduces per micro batch, bytes each) of tensor parallelism (Megatron's layout,
+        parallel/tensor_parallel.py): two forward and two backward per block, two more per recomputed forward."""
+        per_layer = 4 + (2 if policy in ("full", "every_k") else 0)
+        return self.n_layer * per_layer, micro * seq * self.d_model * act_bytes
+
+
+def _param_table(shape: TransformerShape, tp: int = 1) -> list[tuple[int, bool]]:
     """(elements one rank holds, is a matrix) of each parameter tensor in model order (tied weights once); matrices
     and the vocabulary-parallel embedding are split over `tp` tensor-parallel ranks, norm scales are replicated."""
     d, f = shape.d_model, shape.d_ff
@@ -78,53 +161,29 @@ def _param_table(shape: ModelShape, tp: int = 1) -> list[tuple[int, bool]]:
     return out
 
 
-def param_numels(shape: ModelShape, tp: int = 1) -> list[int]:
+def param_numels(shape: TransformerShape, tp: int = 1) -> list[int]:
     """Elements of each parameter tensor one rank holds, in model order."""
     return [n for n, _ in _param_table(shape, tp)]
 
 
-def n_params(shape: ModelShape, tp: int = 1) -> int:
+def n_params(shape: TransformerShape, tp: int = 1) -> int:
     return sum(param_numels(shape, tp))
 
 
-def param_groups(shape: ModelShape, tp: int = 1) -> tuple[list[int], list[int]]:
+def param_groups(shape: TransformerShape, tp: int = 1) -> tuple[list[int], list[int]]:
     """Elements of the parameters in the optimizer's two groups, in model order, as DNATransformer.param_groups
     builds them: matrices (embedding, linears; weight decay) and vectors (norm scales; no decay)."""
     table = _param_table(shape, tp)
     return [n for n, matrix in table if matrix], [n for n, matrix in table if not matrix]
 
 
-def gradient_buffer_elements(groups: tuple[list[int], ...], dp: int, alignment: int = 2) -> list[int]:
-    """Per rank, the elements of ZeRO-1/2's contiguous gradient buffer (grads_in_partition): DeepSpeed flattens each
-    parameter group, pads it to a multiple of alignment x dp, cuts it into dp equal partitions and gives each rank
-    the whole gradient of every parameter that overlaps its partition, so a rank whose partition starts or ends
-    inside a parameter holds all of it."""
-    out = [0] * dp
-    for numels in groups:
-        total = sum(numels)
-        padded = math.ceil(total / (alignment * dp)) * alignment * dp
-        size = padded // dp
-        starts = [0]
-        for n in numels:
-            starts.append(starts[-1] + n)
-        for rank in range(dp):
-            lo, hi = rank * size, (rank + 1) * size
-            out[rank] += sum(n for n, start in zip(numels, starts) if start < hi and start + n > lo)
-    return out
-
-
-def persistent_params(shape: ModelShape, threshold: int, tp: int = 1) -> int:
-    """Elements ZeRO-3 keeps whole on every rank: parameters of at most stage3_param_persistence_threshold."""
-    return sum(n for n in param_numels(shape, tp) if n <= threshold)
-
-
-def block_params(shape: ModelShape, tp: int = 1) -> int:
+def block_params(shape: TransformerShape, tp: int = 1) -> int:
     d, f = shape.d_model, shape.d_ff
     return 2 * d + (4 * d * d + 3 * d * f) // tp
 
 
 def block_terms(
-    shape: ModelShape,
+    shape: TransformerShape,
     seq: int,
     micro: int,
     act_bytes: int,
@@ -161,7 +220,7 @@ def block_terms(
 
 
 def activation_bytes(
-    shape: ModelShape,
+    shape: TransformerShape,
     seq: int,
     micro: int,
     policy: str,
@@ -218,20 +277,50 @@ def activation_bytes(
     }
 
 
-def recompute_flops_per_token(shape: ModelShape, seq: int, policy: str, early_stop: bool = True) -> float:
+def recompute_flops_per_token(shape: TransformerShape, seq: int, policy: str, early_stop: bool = True) -> float:
     """Extra FLOPs per token that recomputation adds: metrics.recompute_flops_per_token (the one formula, also
     behind every run's HFU) for this shape, in its convention (shape.causal); early_stop: torch's checkpoint (the
     default without an activation_checkpointing block in the DeepSpeed JSON) skips the last w_down of each
     segment."""
-    return metrics.recompute_flops_per_token(
+    return flops.recompute_flops_per_token(
         n_params(shape),
         shape.n_layer,
         shape.d_model,
         seq,
         policy,
-        metrics.block_parameters(shape.d_model, shape.d_ff),
+        flops.block_parameters(shape.d_model, shape.d_ff),
         d_ff=shape.d_ff,
         early_stop=early_stop,
         dropout=shape.dropout,
         causal=shape.causal,
     )
+
+
+def model_shapes(d_model: int, d_ff: int, n_layer: int, padded_vocab: int, tied: bool, tp: int = 1) -> list:
+    """(shape, is a hidden matrix) of each parameter a rank holds, as DNATransformer builds them (tied once)."""
+    d, f = d_model, d_ff
+    out = [((padded_vocab // tp, d), False)]
+    block = [((d,), False), ((3 * d // tp, d), True), ((d, d // tp), True), ((d,), False)]
+    block += [((f // tp, d), True), ((f // tp, d), True), ((d, f // tp), True)]
+    out += block * n_layer + [((d,), False)]
+    return out if tied else out + [((padded_vocab // tp, d), False)]
+
+
+LOSS_BYTES_PER_VOCAB = 32  # bf16 logits 2 + fp32 copy 2 + 4, log-softmax 8, its gradient 8 + cast back 8
+
+
+def elementwise_bytes(d: int, f: int, fused: bool, tp: int = 1) -> dict[str, float]:
+    """Bytes per token and layer moved by the block's elementwise work (module docstring), forward and backward:
+    replicated (norms, residual adds) plus sharded over tensor-parallel ranks (rotary, layout copies, SwiGLU)."""
+    if fused:
+        forward, backward = 16 * d + (8 * d + 6 * f) / tp, 16 * d + (8 * d + 10 * f) / tp
+    else:
+        forward = 80 * d + 12 * d + (36 * d + 4 * d + 10 * f) / tp
+        backward = 144 * d + 18 * d + (40 * d + 12 * d + 4 * d + 18 * f) / tp
+    return {"forward": forward, "backward": backward}
+
+
+def outside_bytes(shape: TransformerShape, fused: bool, tp: int = 1) -> float:
+    """Bytes per token of the final norm and the loss (forward and backward)."""
+    norm = 16 * shape.d_model if fused else 112 * shape.d_model
+    return norm + LOSS_BYTES_PER_VOCAB * shape.padded_vocab / tp

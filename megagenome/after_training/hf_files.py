@@ -1,0 +1,80 @@
+"""The Hugging Face files of an export besides the weights (layer L4): config.json from the model family's Hugging
+Face form (model/family.py ModelFamily.huggingface), generation_config.json, and a single-nucleotide tokenizer
+written as `tokenizers` JSON by hand (tokenizer.json, tokenizer_config.json, special_tokens_map.json), equal to
+megagenome's (data/tokenizer.py), so that `megagenome export` needs neither transformers nor tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megagenome.config import ModelConfig
+from megagenome.data.tokenizer import AMBIGUOUS, PAD_ID, VOCAB, VOCAB_SIZE
+
+SPECIAL = VOCAB[: VOCAB.index("A")]  # <pad> <mask> <sep>: never generated
+
+
+def generation_config() -> dict:
+    """generation_config.json: no end-of-sequence token (a genome has none; give max_new_tokens), and the special
+    tokens suppressed so that `generate` writes bases only."""
+    return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": PAD_ID, "suppress_tokens": list(range(3))}
+
+
+def tokenizer_json() -> dict:
+    """A `tokenizers` JSON tokenizer equal to megagenome's (data/tokenizer.py): one token per base, lowercase
+    (soft-masked) bases to the uppercase ids, IUPAC ambiguity codes to N, whitespace dropped; the special tokens
+    matched whole; decoding joins the tokens without spaces."""
+    lower = [(chr(b).lower(), chr(b)) for b in b"ACGT"]
+    ambiguous = "[" + AMBIGUOUS.decode() + AMBIGUOUS.decode().lower() + "]"
+    normalizers = [{"type": "Replace", "pattern": {"String": a}, "content": b} for a, b in lower]
+    normalizers += [
+        {"type": "Replace", "pattern": {"Regex": ambiguous}, "content": "N"},
+        {"type": "Replace", "pattern": {"Regex": r"\s"}, "content": ""},
+    ]
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    added = [{"id": VOCAB.index(t), "content": t, **flags} for t in SPECIAL]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
+        "post_processor": None,
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(VOCAB)}, "unk_token": "N"},
+    }
+
+
+def tokenizer_config(cfg: ModelConfig) -> dict:
+    """tokenizer_config.json: the fast tokenizer class and its special tokens."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.max_seq_len,
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+        "sep_token": "<sep>",
+        "unk_token": "N",
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+
+
+def write_hf_files(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, form) -> list[str]:
+    """Write the config of the Hugging Face form `form` (the family's), the generation config and the tokenizer
+    files into out_dir; their names."""
+    files = {
+        "config.json": form.config(dtype, VOCAB_SIZE, PAD_ID),
+        "generation_config.json": generation_config(),
+        "tokenizer.json": tokenizer_json(),
+        "tokenizer_config.json": tokenizer_config(cfg),
+        "special_tokens_map.json": {"pad_token": "<pad>", "mask_token": "<mask>", "sep_token": "<sep>"},
+    }
+    for name, data in files.items():
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+    return list(files)
