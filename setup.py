@@ -35,9 +35,24 @@ setup(
         # flash-attn compiles against the local CUDA toolkit; install it on GPU machines only.
         "gpu": ["flash-attn==2.8.3.post2"],
         # Everything a test imports, so that `pytest` runs every test on CPU (tests/test_readme.py checks it):
-        # transformers (exports loaded with AutoModelForCausalLM/AutoTokenizer, the README's generate example, the
+        # transformers (exports loaded with AutoModelForCausalLM/AutoTokenizer, the docs' generate example, the
         # peers' Llama) and wandb (--log.wandb's offline files). Only bitsandbytes' CUDA client is left to GPUs.
-        "dev": ["pytest==9.2.0", "ruff==0.17.6", "transformers==5.24.0", "wandb==0.31.0"],
+        # mkdocs and mkdocs-material as in the docs extra: tests/test_docs_site.py builds the site with --strict.
+        "dev": [
+            "pytest==9.2.0",
+            "ruff==0.17.6",
+            "transformers==5.24.0",
+            "wandb==0.31.0",
+            "mkdocs==1.6.1",
+            "mkdocs-material==9.8.1",
+        ],
+        # Loading an export with Hugging Face transformers (AutoModelForCausalLM, AutoTokenizer: the docs' example);
+        # exporting needs none of it (megagenome writes the files itself).
+        "hf": ["transformers==5.24.0"],
+        # The documentation site (mkdocs.yml, docs/): MkDocs builds it, Material is its theme; `mkdocs build
+        # --strict` fails on a broken link or anchor between pages. Pinned like the rest, so a new release of
+        # either cannot change what --strict accepts (tests/test_docs_site.py).
+        "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.1"],
         # Weights & Biases logging (--log.wandb); optional, imported only when asked for.
         "wandb": ["wandb==0.31.0"],
         # transformers and accelerate are the Hugging Face Trainer peer of benchmarks/peers.py; the package imports

@@ -1,13 +1,24 @@
-"""The README's command blocks as steps a test can run on CPU (tests/test_readme.py, run by support/readme_runner.py).
+"""The command blocks of README.md and of the documentation pages as steps a test can run on CPU (tests/test_readme.py,
+run by support/readme_runner.py).
 
 Every fenced ```bash block is split into commands (a line and its `\\` continuation lines, comments dropped) and every
-```python block is one command. Each command is mapped by the first rule of RULES that takes it; a command no rule
-takes is returned as unmapped, with its README line, and the test fails on it. The rules (each says why):
+```python block is one command. The pages are README.md, then docs/ in mkdocs.yml's nav order, one Mapper over all
+of them (support/readme_run.py), so a page may use what an earlier one made (runs/tiny, prepared/example, hostfile).
+Each command is mapped by the first rule that takes it; a command no rule takes is returned as unmapped, with its
+page and line, and the test fails on it. The rules (each says why):
 
 - install: `python3 -m venv .venv && .venv/bin/pip install -q torch==X -e SPEC && REST`, the fresh-machine commands.
   CI itself runs them from nothing (.ci/run): the install part must be .ci/run's and pin setup.py's torch; REST is
   mapped by the other rules, except `.venv/bin/python -m pytest` (the suite cannot run inside itself), which must be
   verbatim in .ci/run. A `NAME=value` prefix is the user's environment: the test's PATH already has .venv/bin first.
+  The same install line again (the docs' home page repeats the README's two commands) is checked identical and not
+  run again: the default job launches once.
+- the environment of an example: every page starts from command 1's install (`-e .`: the package and its own
+  requirements, nothing else), as a reader who followed command 1 and opened that page has it. An extra's install
+  line, `.venv/bin/pip install [-q] -e '.[EXTRA,...]'` (each EXTRA one of setup.py's extras_require), adds it for
+  the rest of its page. Each step carries the extras in force (`install`); the runner makes every package of the
+  dev venv that this install would not have unimportable (support/readme_runner.py, `hide`). Command 2's dev
+  install runs the tests, not the examples: it changes no page's environment.
 - the default job: the first `bash launch/local.sh` line trains for real through the deepspeed launcher (2 CPU
   ranks) with DEFAULT_JOB_STEPS appended (appended flags win): 6 steps with 3 evaluations and 3 checkpoints, as the
   real job has in 600 (tests/test_console.py checks its console); the after-training blocks use its run directory.
@@ -23,13 +34,13 @@ takes is returned as unmapped, with its README line, and the test fails on it. T
   world of one (validated against that checkpoint; continuing runs is tested in tests/test_schedules.py and
   tests/test_context_extension.py). `--help`, `--print_config` and `--dry_run` lines run as written.
 - every other `megagenome` / `python -m megagenome` command runs as written (in one runner process: the function
-  the console script calls); score-variants gets SCORE_WINDOW appended. The first `megagenome` line runs through
-  the console script itself, which shows it is on PATH.
+  the console script calls); score-variants gets SCORE_WINDOW in place of its own --window and --batch_size. The
+  first `megagenome` line runs through the console script itself, which shows it is on PATH.
 - `tensorboard --logdir D`: `tensorboard --inspect --logdir D`, which reads the same event files and exits (the
   server would not).
 - a ```python block runs as written, in the clone's directory.
 
-A checkpoint path `runs/R/checkpoints/step_XXXXXXXX` that the README's long run would have written is replaced, when
+A checkpoint path `runs/R/checkpoints/step_XXXXXXXX` that a page's long run would have written is replaced, when
 the command runs, by the newest checkpoint of the test's short run R (support/readme_runner.py).
 """
 
@@ -39,7 +50,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-# Appended to every real training command: a few CPU steps (the README's runs are hundreds of steps).
+# Appended to every real training command: a few CPU steps (the pages' runs are hundreds of steps).
 CPU_STEPS = ["--train.max_steps", "2", "--train.warmup_steps", "0", "--data.eval_windows", "2"]
 # Appended to the default job: its 600 steps evaluate and checkpoint 3 times; these 6 steps do too.
 DEFAULT_JOB_STEPS = [
@@ -54,14 +65,16 @@ DEFAULT_JOB = "the default job: real launch, CPU steps"
 FENCE = re.compile(r"^```(\w*)\s*$")
 ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 INSTALL = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install -q torch==(\S+) -e (\S+) && (.+)$")
+EXTRA_INSTALL = re.compile(r"^\.venv/bin/pip install (?:-q )?-e '\.\[([\w,-]+)\]'$")
 PYTEST = ".venv/bin/python -m pytest"
 
 
 @dataclass
 class Command:
-    line: int  # README line the command starts on
+    line: int  # line of its page the command starts on
     lang: str  # "bash" or "python"
     text: str  # continuation lines joined; a python block's whole code
+    page: str = "README.md"  # the page, relative to the repository
 
 
 @dataclass
@@ -73,11 +86,13 @@ class Step:
     env: dict = field(default_factory=dict)  # WORLD_SIZE for dry runs, or "hostfile:PATH" to count its slots
     code: str = ""
     expect: str = ""  # a string the output must contain
+    page: str = "README.md"
+    install: list[str] = field(default_factory=list)  # the extras in force on its page ([]: command 1's `-e .`)
 
 
-def commands(readme: str) -> list[Command]:
-    """Every command of the README's ```bash and ```python blocks, in order."""
-    lines = readme.split("\n")
+def commands(text: str, page: str = "README.md") -> list[Command]:
+    """Every command of a page's ```bash and ```python blocks, in order."""
+    lines = text.split("\n")
     out: list[Command] = []
     i = 0
     while i < len(lines):
@@ -90,14 +105,14 @@ def commands(readme: str) -> list[Command]:
             j += 1
         body = lines[i + 1 : j]
         if m.group(1) == "python":
-            out.append(Command(i + 2, "python", "\n".join(body)))
+            out.append(Command(i + 2, "python", "\n".join(body), page))
         elif m.group(1) == "bash":
-            out.extend(_bash_commands(body, first_line=i + 2))
+            out.extend(_bash_commands(body, first_line=i + 2, page=page))
         i = j + 1
     return out
 
 
-def _bash_commands(body: list[str], first_line: int) -> list[Command]:
+def _bash_commands(body: list[str], first_line: int, page: str) -> list[Command]:
     out, k = [], 0
     while k < len(body):
         start, parts = k, [body[k]]
@@ -108,7 +123,7 @@ def _bash_commands(body: list[str], first_line: int) -> list[Command]:
         k += 1
         text = " ".join(p.strip() for p in parts)
         if shlex.split(text, comments=True):
-            out.append(Command(first_line + start, "bash", text))
+            out.append(Command(first_line + start, "bash", text, page))
     return out
 
 
@@ -126,22 +141,41 @@ def _strip_comment(text: str) -> str:
 
 
 class Mapper:
-    """Maps commands to steps in README order; remembers what the rules need (the default job seen, the first
-    `megagenome` line)."""
+    """Maps commands to steps, page after page in order; remembers what the rules need (the default job seen, the
+    first `megagenome` line, the install lines seen, the extras in force on the current page)."""
 
-    def __init__(self, ci_script: str, torch_pin: str):
+    def __init__(self, ci_script: str, torch_pin: str, extras: dict[str, list[str]] | None = None):
         self.ci_script, self.torch_pin = ci_script, torch_pin
+        self.extras_require = extras or {}  # setup.py's extras_require
         self.default_job_seen = False
         self.console_script_used = False
+        self.installs_seen: dict[str, str] = {}  # install line -> "PAGE:LINE" where it was first mapped
+        self.page, self.extras = "README.md", []
+
+    def start_page(self, page: str) -> None:
+        """A new page: its examples start from command 1's install again."""
+        self.page, self.extras = page, []
 
     def steps(self, cmd: Command) -> list[Step] | None:
-        """The steps for one command, None when no rule takes it."""
+        """The steps for one command, each with its page and the extras in force; None when no rule takes it."""
+        found = self._steps(cmd)
+        for s in found or []:
+            s.page, s.install = cmd.page, list(self.extras)
+        return found
+
+    def _steps(self, cmd: Command) -> list[Step] | None:
         if cmd.lang == "python":
             return [Step(cmd.line, "python block", "python", code=cmd.text)]
         text = _strip_comment(cmd.text)
         m = INSTALL.match(text)
         if m:
+            if text in self.installs_seen:
+                return [Step(cmd.line, f"install: as {self.installs_seen[text]}, run there", "ci")]
+            self.installs_seen[text] = f"{cmd.page}:{cmd.line}"
             return self._install(cmd, text, *m.groups())
+        m = EXTRA_INSTALL.match(text)
+        if m:
+            return self._extra_install(cmd, m.group(1).split(","))
         argv = shlex.split(text)
         env = {}
         while argv and ASSIGNMENT.match(argv[0]):
@@ -164,10 +198,17 @@ class Mapper:
             ok = text in self.ci_script
             problems += [] if ok else [f"{text!r} is not verbatim in .ci/run"]
             return [Step(cmd.line, "install + pytest: CI's own command", "ci", argv=problems)]
-        inner = self.steps(Command(cmd.line, "bash", rest))
+        inner = self._steps(Command(cmd.line, "bash", rest, cmd.page))
         if inner is None:
             return None
         return [Step(cmd.line, "install: checked against .ci/run", "ci", argv=problems), *inner]
+
+    def _extra_install(self, cmd: Command, extras: list[str]) -> list[Step]:
+        """An extra's install line: setup.py must have each extra; the page's later examples run with them."""
+        problems = [f"setup.py has no extra {e!r}" for e in extras if e not in self.extras_require]
+        self.extras = sorted(set(self.extras) | set(extras))
+        rule = f"install: the {', '.join(extras)} extra, for the rest of {cmd.page}"
+        return [Step(cmd.line, rule, "ci", argv=problems)]
 
     def _local(self, line: int, argv: list[str], env: dict) -> list[Step] | None:
         if argv[:2] != ["bash", "launch/local.sh"]:
@@ -233,8 +274,9 @@ class Mapper:
                 return [_dry_run(line, "pretrain from a checkpoint: dry run in one process", args[1:], "1")]
             stop = ["--train.stop_at", "1"] if "--train.stop_at" in args else []
             return [Step(line, "pretrain: real, CPU steps", "cli", argv=[*args, *CPU_STEPS, *stop])]
-        extra = SCORE_WINDOW if args[0] == "score-variants" else []
-        return [Step(line, f"megagenome {args[0]} as written", "cli", argv=[*args, *extra])]
+        if args[0] == "score-variants":
+            args = [*_without(args, "--window", "--batch_size"), *SCORE_WINDOW]
+        return [Step(line, f"megagenome {args[0]} as written", "cli", argv=args)]
 
     def _tensorboard(self, line: int, argv: list[str], env: dict) -> list[Step] | None:
         if argv[:1] != ["tensorboard"] or _option(argv, "--logdir") is None:
@@ -256,6 +298,19 @@ def _option(argv: list[str], name: str) -> str | None:
         if a.startswith(name + "="):
             return a.split("=", 1)[1]
     return None
+
+
+def _without(argv: list[str], *names: str) -> list[str]:
+    """argv without the options `names` and their values (`--name value` or `--name=value`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not any(a.startswith(n + "=") for n in names):
+            out.append(a)
+    return out
 
 
 def _split_dashes(argv: list[str]) -> tuple[list[str], list[str] | None]:
