@@ -13,25 +13,21 @@ beside the published Evo 2 figures. Writes benchmarks/results/brca1_vep.{md,json
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import os
-import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
 
+import harness
 import numpy as np
 import yaml
-from hardware import hardware  # benchmarks/ is on sys.path when run as a script
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-DATA = REPO / "examples" / "data"
+DATA = harness.REPO / "examples" / "data"
 FASTA = DATA / "GRCh38_chr17_BRCA1_region_Npadded.fa.bgz"
 VCF = DATA / "BRCA1_Findlay2018_SGE_GRCh38.vcf"
-RESULTS = REPO / "benchmarks" / "results" / "brca1_vep"
+OUT = harness.RESULTS / "brca1_vep"
 
 # Published zero-shot AUROCs of LOF vs FUNC + INT on the same 3,893 SNVs, as examples/data/README.md cites them.
 PUBLISHED = [
@@ -43,7 +39,9 @@ PUBLISHED = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run_dir", default=str(REPO / "runs" / "brca1"), help="Run (or export) directory to score with.")
+    ap.add_argument(
+        "--run_dir", default=str(harness.REPO / "runs" / "brca1"), help="Run (or export) directory to score with."
+    )
     ap.add_argument("--step", type=int, default=None, help="Checkpoint step (default: newest complete).")
     ap.add_argument("--window", type=int, default=None, help="--window of score-variants (default: its default).")
     ap.add_argument("--rc", nargs="+", choices=["off", "on"], default=["off", "on"], help="Strand modes to run.")
@@ -53,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vcf", default=str(VCF), help="Labelled VCF (INFO CLASS: FUNC, INT, LOF).")
-    ap.add_argument("--out", default=str(RESULTS), help="Results path without suffix (.md and .json are written).")
+    ap.add_argument("--out", default=str(OUT), help="Results path without suffix (.md and .json are written).")
     ap.add_argument("--render_only", action="store_true", help="Rewrite the .md (and baseline) from the .json only.")
     return ap.parse_args(argv)
 
@@ -93,13 +91,11 @@ def score(args, fasta: str, work: str, rc: bool) -> dict:
     flags += ["--window", str(args.window)] if args.window else []
     flags += ["--step", str(args.step)] if args.step is not None else []
     if args.nproc > 1:
-        deepspeed = str(pathlib.Path(sys.executable).parent / "deepspeed")
-        cmd = [deepspeed, "--num_gpus", str(args.nproc), "--module", "megagenome", "score-variants", *flags]
+        cmd = harness.deepspeed_cmd(args.nproc, "--module", "megagenome", "score-variants", *flags)
     else:
         cmd = [sys.executable, "-m", "megagenome", "score-variants", *flags]
-    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     print("+", " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=harness.REPO, env=harness.child_env(), capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"score-variants failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     print(done.stdout.strip(), flush=True)
@@ -111,8 +107,8 @@ def device() -> str:
     import torch
 
     if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()} ({hardware()})"
-    return f"CPU: {hardware()}"
+        return f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()} ({harness.hardware()})"
+    return f"CPU: {harness.hardware()}"
 
 
 def markdown(rows: list[dict], meta: dict, baseline: dict) -> str:
@@ -183,7 +179,7 @@ def score_all(args, argv) -> dict:
     hw = device()
     rows, summaries = [], []
     with tempfile.TemporaryDirectory(prefix="brca1_vep-") as work:
-        fasta = shutil.copy(FASTA, os.path.join(work, FASTA.name))  # pyfaidx writes its index beside the FASTA
+        fasta = str(harness.copy_input(FASTA, work))  # pyfaidx writes its index beside the FASTA
         for mode in args.rc:
             s = score(args, fasta, work, mode == "on")
             ev = s["evaluation"]
@@ -195,10 +191,12 @@ def score_all(args, argv) -> dict:
             summaries.append({k: v for k, v in s.items() if k not in ("outputs", "fasta")})  # temporary paths
     ev = summaries[0]["evaluation"]
     run_dir = (
-        os.path.relpath(args.run_dir, REPO) if os.path.abspath(args.run_dir).startswith(str(REPO)) else args.run_dir
+        os.path.relpath(args.run_dir, harness.REPO)
+        if os.path.abspath(args.run_dir).startswith(str(harness.REPO))
+        else args.run_dir
     )
     meta = {
-        "date": datetime.date.today().isoformat(),
+        "date": harness.today(),
         "run_dir": run_dir,
         "variants": summaries[0]["variants"],
         "n_positive": ev["n_positive"],
@@ -208,7 +206,7 @@ def score_all(args, argv) -> dict:
         "hardware": hw,
         "ranks": summaries[0]["ranks"],
         "dtype": args.dtype,
-        "command": " ".join(["python benchmarks/brca1_vep.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": harness.command("brca1_vep.py", harness.argv_of(argv)),
     }
     return {"meta": meta, "rows": rows, "published": PUBLISHED, "summaries": summaries}
 
@@ -227,14 +225,11 @@ def main(argv=None) -> int:
         result = score_all(args, argv)
     meta = result["meta"]
     meta["command"] = meta["command"].strip()
-    if os.path.abspath(meta["run_dir"]).startswith(str(REPO) + os.sep):
-        meta["run_dir"] = os.path.relpath(meta["run_dir"], REPO)
+    if os.path.abspath(meta["run_dir"]).startswith(str(harness.REPO) + os.sep):
+        meta["run_dir"] = os.path.relpath(meta["run_dir"], harness.REPO)
     result["baseline"] = composition_baseline(args.vcf, result["meta"]["bootstrap"], result["meta"]["seed"])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2)
-    with open(args.out + ".md", "w", encoding="utf-8") as fh:
-        fh.write(markdown(result["rows"], result["meta"], result["baseline"]))
+    harness.write_json(args.out + ".json", result, indent=2)
+    harness.write_text(args.out + ".md", markdown(result["rows"], result["meta"], result["baseline"]))
     print(f"wrote {args.out}.md and {args.out}.json")
     return 0
 

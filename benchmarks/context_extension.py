@@ -21,23 +21,16 @@ load and the date.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import os
 import pathlib
-import shlex
 import shutil
 import subprocess
-import sys
-import tempfile
 import time
 
-from hardware import hardware, run_in_session, software  # noqa: E402  (benchmarks/ is on sys.path as a script)
+import harness
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = harness.REPO / "configs" / "tiny.yaml"
 FACTOR = 4
 ARMS = {"linear": "linear", "yarn": "yarn", "none": "none"}  # trained arm -> --model.rope_scaling
 ZERO_SHOT = ("none", "linear", "ntk", "yarn")
@@ -85,7 +78,7 @@ def worker(spec_path: pathlib.Path) -> None:
         started = time.time()
         pretrain.run(config_from_args(["--config", str(TINY), *s["flags"]]), [str(TINY)], keep_process_group=True)
         walls[s["name"]] = time.time() - started
-    if int(os.environ.get("RANK", "0")) == 0:
+    if harness.rank() == 0:
         (spec_path.parent / "walls.json").write_text(json.dumps(walls))
     engine.shutdown()
 
@@ -133,8 +126,7 @@ def measure(args, work: pathlib.Path) -> list[dict]:
 
 
 def write(results: pathlib.Path, rows: list[dict], meta: dict) -> None:
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "context_extension.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    harness.write_json(results / "context_extension.json", {"meta": meta, "rows": rows}, indent=2)
     s, long = meta["short"], meta["short"] * FACTOR
     lines = [
         "# Context extension: rotary scaling vs plain longer windows (issue 15 part 4)",
@@ -159,7 +151,7 @@ def write(results: pathlib.Path, rows: list[dict], meta: dict) -> None:
     for r in rows:
         lines.append(f"| {r['model']} | {r['extra_steps']} | {r['context']} | {r['scaling']} | {r['bits']:.4f} |")
     lines += ["", *meta["notes"]]
-    (results / "context_extension.md").write_text("\n".join(lines) + "\n")
+    harness.write_text(results / "context_extension.md", "\n".join(lines) + "\n")
 
 
 def notes(rows: list[dict], meta: dict) -> list[str]:
@@ -186,8 +178,12 @@ def notes(rows: list[dict], meta: dict) -> list[str]:
     ]
 
 
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, worker=True)
     ap.add_argument("--nproc", type=int, default=2, help="CPU ranks")
     ap.add_argument("--short", type=int, default=256, help="the base model's context S (the long one is 4S)")
     ap.add_argument("--base_steps", type=int, default=200)
@@ -195,28 +191,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--eval_windows", type=int, default=48)
     ap.add_argument("--timeout_s", type=float, default=1200.0)
-    ap.add_argument("--results_dir", type=pathlib.Path, default=RESULTS)
-    ap.add_argument("--worker", type=pathlib.Path, help=argparse.SUPPRESS)
-    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--results_dir", type=pathlib.Path, default=harness.RESULTS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return
-    work = pathlib.Path(tempfile.mkdtemp(prefix="mg-ctx-"))
-    fasta = work / "ecoli.fa.bgz"
-    shutil.copy(REPO / "examples" / "data" / "ecoli_K12_MG1655_NC_000913.2.fa.bgz", fasta)
+    work = harness.work_dir("mg-ctx-")
+    fasta = harness.copy_input(harness.ECOLI, work)
     spec = work / "spec.json"
     spec.write_text(json.dumps({"scenarios": scenarios(args, work, str(fasta))}))
-    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    bin_dir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(args.nproc), __file__, "--worker", str(spec)]
+    uptime_before = uptime()
     started = time.time()
-    rc = run_in_session(cmd, REPO, env, work / "worker.log", args.timeout_s)
+    env = harness.child_env(OMP_NUM_THREADS="1")
+    rc, tail = harness.launch_worker(
+        __file__, args.nproc, spec, work / "worker.log", args.timeout_s, env=env, tail=6000
+    )
     launch_s = time.time() - started
     if not (work / "walls.json").exists():
-        tail = (work / "worker.log").read_text(errors="replace")[-6000:]
         raise SystemExit(
             f"context_extension.py: the launch did not finish (exit code {rc}); {work}/worker.log:\n{tail}"
         )
@@ -227,11 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = json.loads((work / "base" / "ds_config.json").read_text())
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="minutes"),
-        "command": shlex.join(["python", "benchmarks/context_extension.py", *(argv or sys.argv[1:])]),
-        "hardware": hardware(),
-        "software": software(),
+        "command": harness.command("context_extension.py", harness.argv_of(argv)),
+        "hardware": harness.hardware(),
+        "software": harness.software(),
         "uptime_before": uptime_before,
-        "uptime_after": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        "uptime_after": uptime(),
         "nproc": args.nproc,
         "launch_s": launch_s,
         "walls": json.loads((work / "walls.json").read_text()),

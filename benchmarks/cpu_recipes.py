@@ -16,19 +16,13 @@ baseline (both strands), wall time, tokens/s, the load average before and after 
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import pathlib
 import statistics
 import subprocess
-import sys
 
-from hardware import hardware, software  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+import harness
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 OLD = ["--data.seq_len", "512", "--train.micro_batch_size", "8", "--data.eval_windows", "512"]
 COSINE = ["--train.schedule", "cosine", "--train.lr", "2e-3", "--train.min_lr", "2e-4"]
 ARMS = {
@@ -44,18 +38,17 @@ def launch(run_dir: pathlib.Path, config: str, *flags: str) -> dict:
     """Runs one arm unless it already finished; returns its load averages around the run (None when read)."""
     if (run_dir / "summary.json").exists():
         return {"ran": False}
-    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     cmd = ["bash", "launch/local.sh", "--config", config, *flags, "--log.run_dir", str(run_dir), "--log.progress",
            "false", "--checkpoint.interval", "0"]  # fmt: skip
-    before = os.getloadavg()[0]
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
-    return {"ran": True, "load_before": before, "load_after": os.getloadavg()[0], "command": " ".join(cmd[1:])}
+    before = harness.load_average()
+    subprocess.run(cmd, cwd=harness.REPO, env=harness.child_env(), check=True, stdout=subprocess.DEVNULL)
+    return {"ran": True, "load_before": before, "load_after": harness.load_average(), "command": " ".join(cmd[1:])}
 
 
 def collect(run_dir: pathlib.Path) -> dict:
     """What the run directory says: summary, eval curve, median tokens/s."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = harness.read_jsonl(run_dir / "metrics.jsonl")
     best = summary["best_markov_order"]
     return {
         "parameters": summary["parameters"],
@@ -76,7 +69,8 @@ def markdown(results: dict, when: str) -> str:
     lines = [
         f"# The default job and the one-hour CPU recipe against the Markov baselines ({when})",
         "",
-        f"Hardware: {hardware()}; {software()}. 2 ranks through `launch/local.sh` (ZeRO-1 + bf16, BF16_Optimizer).",
+        f"Hardware: {harness.hardware()}; {harness.software()}. 2 ranks through `launch/local.sh` (ZeRO-1 + bf16, "
+        "BF16_Optimizer).",
         "Command: `python benchmarks/cpu_recipes.py` (arms and their flags: the script's ARMS).",
         "",
         "| arm | parameters | tokens | held-out bits/base | best Markov (order, strands) | margin | wall s | tokens/s "
@@ -103,7 +97,7 @@ def markdown(results: dict, when: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--work", default="/tmp/cpu_recipes", help="run directories, one per arm (kept)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     args = ap.parse_args()
@@ -113,12 +107,10 @@ def main() -> None:
         config, *flags = ARMS[name]
         ran = launch(work / name, config, *flags)
         results[name] = {**collect(work / name), **ran}
-    when = datetime.date.today().isoformat()
-    RESULTS.mkdir(exist_ok=True)
-    record = {"date": when, "hardware": hardware(), "arms": results}
-    (RESULTS / "cpu_recipes.json").write_text(json.dumps(record, indent=1))
-    (RESULTS / "cpu_recipes.md").write_text(markdown(results, when))
-    print((RESULTS / "cpu_recipes.md").read_text())
+    when = harness.today()
+    record = {"date": when, "hardware": harness.hardware(), "arms": results}
+    paths = harness.write_results(harness.RESULTS, "cpu_recipes", record, markdown(results, when))
+    print(paths["md"].read_text())
 
 
 if __name__ == "__main__":

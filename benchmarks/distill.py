@@ -12,39 +12,31 @@ benchmarks/results/distill.md and .json (every figure from this command's runs).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from hardware import hardware, software  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+import harness
 
 STUDENT = ["--model.d_model", "64", "--model.n_layer", "2", "--model.n_head", "2"]
 DISTILL = ["--train.distill_alpha", "0.5", "--train.distill_temperature", "2.0"]
 
 
 def final_eval(run_dir: pathlib.Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val = [r for r in rows if r.get("split") == "val"]
-    train = [r for r in rows if "split" not in r]
+    train, val = harness.run_rows(run_dir)
     return {"step": val[-1]["step"], "bits_per_base": val[-1]["bits_per_base"], "tokens": train[-1]["tokens"]}
 
 
 def train(name: str, extra: list[str], steps: int, ranks: int, work: pathlib.Path) -> dict:
     run_dir = work / name
-    bin_dir = pathlib.Path(sys.executable).parent
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(ranks), "--module", "megagenome", "pretrain"]
+    cmd = harness.deepspeed_cmd(ranks, "--module", "megagenome", "pretrain")
     cmd += ["--config", "configs/tiny.yaml", *STUDENT, "--train.max_steps", str(steps), "--log.run_dir", str(run_dir)]
     cmd += ["--train.eval_interval", str(steps), "--checkpoint.interval", "0", "--log.progress", "false", *extra]
     started = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    subprocess.run(cmd, cwd=harness.REPO, check=True, env=harness.child_env())
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "wall_s": round(time.perf_counter() - started, 1),
@@ -84,13 +76,13 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--teacher", default="runs/tiny", help="The teacher's run directory (the default job's).")
     ap.add_argument("--steps", type=int, default=300, help="Training steps of each student.")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--results", default=str(harness.RESULTS))
     args = ap.parse_args(argv)
-    teacher = (REPO / args.teacher).resolve()
+    teacher = (harness.REPO / args.teacher).resolve()
     if not (teacher / "checkpoints").is_dir():
         sys.exit(f"{teacher}: no checkpoints; train the teacher first (README command 1, configs/tiny.yaml)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,18 +94,16 @@ def main(argv: list[str] | None = None) -> None:
             ),
         }
     result = {
-        "date": datetime.date.today().isoformat(),
-        "argv": sys.argv[1:] if argv is None else argv,
-        "hardware": hardware(),
-        "software": software(),
+        "date": harness.today(),
+        "argv": harness.argv_of(argv),
+        "hardware": harness.hardware(),
+        "software": harness.software(),
         "teacher_run": args.teacher,
         "teacher": final_eval(teacher),
         "steps": args.steps,
         "students": students,
     }
-    out = pathlib.Path(args.results)
-    (out / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "distill.md").write_text(markdown(result))
+    harness.write_results(args.results, "distill", result, markdown(result), indent=2)
     print(markdown(result))
 
 

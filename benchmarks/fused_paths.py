@@ -30,23 +30,16 @@ predicts the GPU's).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import shlex
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-from hardware import hardware, run_in_session, software  # noqa: E402  (benchmarks/ is on sys.path as a script)
-from peers import ECOLI, ECOLI_VAL, quartiles  # noqa: E402
+import harness
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = {"eager": False, "compiled": True}  # name -> --model.compile
 SYNC_CONFIGS = {"zero0_fp32": ["zero0.json"], "zero1_bf16": ["zero1_bf16.json"], "zero2_bf16": ["zero2_bf16.json"]}
 SYNC_STEPS, SYNC_EVERY, SYNC_LOG = 8, 3, 6  # sync points after steps 3, 6 (a log step) and 8 (the last)
@@ -56,130 +49,133 @@ STEADY = (4, 5, 7)  # steady-state steps that are no sync point (1-2 warm up)
 # ---------------------------------------------------------------------------------------------------- timing worker
 
 
-def timing_worker(spec_path: pathlib.Path) -> None:
-    import copy
+class Variants:
+    """One rank's two engines (eager, compiled) built from the same seed, batches and DeepSpeed dict, each driven by
+    megagenome's fit() K steps per call."""
 
-    import torch
-    from deepspeed.accelerator import get_accelerator
+    def __init__(self, spec_path: pathlib.Path):
+        import torch
+        from deepspeed.accelerator import get_accelerator
 
-    from megagenome.config import DataConfig, ModelConfig, RootConfig, TrainConfig
-    from megagenome.data.dataset import build_genome_data
-    from megagenome.data.sampler import batch_indices
-    from megagenome.data.tokenizer import VOCAB_SIZE
-    from megagenome.model import DNATransformer
-    from megagenome.observe.metrics import MetricsWriter
-    from megagenome.parallel.layout import ParallelLayout
-    from megagenome.parallel.state import ParallelState
-    from megagenome.train import ds_config as dsc
-    from megagenome.train import ds_final
-    from megagenome.train import engine as ds
-    from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
+        from megagenome.config import TrainConfig
+        from megagenome.observe.metrics import MetricsWriter
+        from megagenome.parallel.layout import ParallelLayout
+        from megagenome.train import engine as ds
 
-    spec = json.loads(spec_path.read_text())
-    work = spec_path.parent
-    rounds, K, W = spec["rounds"], spec["steps"], spec["warmup"]
-    total = W + rounds * K
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(spec["num_threads"] or max(1, (os.cpu_count() or 1) // local_world))
-    rank, _, world = ds.init_distributed()
-    device, accel = ds.device(), get_accelerator()
+        self.spec = spec = json.loads(spec_path.read_text())
+        self.work = spec_path.parent
+        self.rounds, self.K, self.W = spec["rounds"], spec["steps"], spec["warmup"]
+        self.total = self.W + self.rounds * self.K
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(spec["num_threads"] or max(1, (os.cpu_count() or 1) // local_world))
+        self.rank, _, self.world = ds.init_distributed()
+        self.device, self.accel = ds.device(), get_accelerator()
+        self.cfg = cfg = self.config(False)
+        self.layout = ParallelLayout(self.world)
+        self.b = b = self.layout.batch(cfg.train)
+        fragment = cfg.train.ds_config
+        self.ds_config = harness.ds_dict([fragment], fragment, "fused_paths.py", ds.on_gpu(), b, cfg.train)
+        self.mine = self.batches()
+        self.engines, self.cursor = self.build(), dict.fromkeys(VARIANTS, 0)
+        self.first_loss: dict[str, float | None] = {}
+        self.first_step_s: dict[str, float] = {}
+        self.sync_interval = TrainConfig().sync_interval
+        self.writer = MetricsWriter(str(self.work / "fit_metrics.jsonl"), enabled=self.rank == 0)
 
-    def config(compiled: bool) -> RootConfig:
+    def config(self, compiled: bool):
+        from megagenome.config import DataConfig, ModelConfig, RootConfig, TrainConfig
+
+        spec, total = self.spec, self.total
         m = ModelConfig(d_model=spec["d_model"], n_layer=spec["n_layer"], n_head=spec["n_head"], compile=compiled)
         m.max_seq_len = spec["seq_len"]
         d = DataConfig(fasta=spec["fasta"], seq_len=spec["seq_len"], val_ranges=spec["val_ranges"], rc_prob=0.5)
         t = TrainConfig(ds_config=spec["ds_config"], micro_batch_size=spec["micro"], max_steps=total, warmup_steps=2)
         return RootConfig(model=m, data=d, train=t)
 
-    cfg = config(False)
-    layout = ParallelLayout(world)
-    b = layout.batch(cfg.train)
-    ds_json, sources, problems = dsc.merge_fragments([cfg.train.ds_config])
-    problems += dsc.check_ds_config(
-        ds_json, cfg.train.ds_config, "fused_paths.py", ds.on_gpu(), sources, ds.section_problems
-    )
-    if problems:
-        raise ValueError("; ".join(problems))
-    ds_config = ds_final.build_ds_config(ds_json, b, cfg.train, universal=False, on_gpu=ds.on_gpu())
-    data = build_genome_data(cfg.data, cfg.model.objective)
-    mine = [
-        data.train_batch(batch_indices(s * b.global_batch, m, rank, world, b.micro))
-        for s in range(total)
-        for m in range(b.grad_accum)
-    ]
-    data.close()
+    def batches(self) -> list[dict]:
+        """This rank's batches of every step, as pretrain.run draws them."""
+        from megagenome.data.dataset import build_genome_data
+        from megagenome.data.sampler import batch_indices
 
-    def to_device(batch: dict) -> dict:
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        b, data = self.b, build_genome_data(self.cfg.data, self.cfg.model.objective)
+        mine = [
+            data.train_batch(batch_indices(s * b.global_batch, m, self.rank, self.world, b.micro))
+            for s in range(self.total)
+            for m in range(b.grad_accum)
+        ]
+        data.close()
+        return mine
 
-    state = ParallelState.build(rank, layout)
-    engines, cursor, first_loss, first_step_s = {}, {}, {}, {}
-    for name, compiled in VARIANTS.items():
-        torch.manual_seed(cfg.train.seed)  # the same weights for both
-        model = DNATransformer(config(compiled).model, VOCAB_SIZE)
-        engines[name] = ds.initialize(
-            model, model.param_groups(cfg.train.weight_decay), copy.deepcopy(ds_config), mpu=state
-        )
-        cursor[name] = 0
-    sync_interval = TrainConfig().sync_interval
-    writer = MetricsWriter(str(work / "fit_metrics.jsonl"), enabled=rank == 0)
+    def build(self) -> dict:
+        import copy
 
-    def run(name: str, n: int) -> float | None:
+        import torch
+
+        from megagenome.data.tokenizer import VOCAB_SIZE
+        from megagenome.model.transformer import DNATransformer
+        from megagenome.parallel.state import ParallelState
+        from megagenome.train import engine as ds
+
+        state, engines = ParallelState.build(self.rank, self.layout), {}
+        for name, compiled in VARIANTS.items():
+            torch.manual_seed(self.cfg.train.seed)  # the same weights for both
+            model = DNATransformer(self.config(compiled).model, VOCAB_SIZE)
+            groups = model.param_groups(self.cfg.train.weight_decay)
+            engines[name] = ds.initialize(model, groups, copy.deepcopy(self.ds_config), mpu=state)
+        return engines
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def run(self, name: str, n: int) -> float | None:
         """n steps of variant `name` through fit(), one metrics row at the end; returns that row's loss."""
-        engine, start = engines[name], cursor[name]
+        from megagenome.train import engine as ds
+        from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
+
+        engine, start, b = self.engines[name], self.cursor[name], self.b
 
         def batch(step: int, micro_step: int) -> dict:
-            return mine[step * b.grad_accum + micro_step]
+            return self.mine[step * b.grad_accum + micro_step]
 
         plan = LoopPlan(
             start_step=start, max_steps=10**9, stop_at=start + n, global_batch=b.global_batch,
-            seq_len=cfg.data.seq_len, log_interval=n, eval_interval=0, ckpt_interval=0, flops_per_token=1.0,
-            peak_tflops=None, world_size=world, rank=rank,
+            seq_len=self.cfg.data.seq_len, log_interval=n, eval_interval=0, ckpt_interval=0, flops_per_token=1.0,
+            peak_tflops=None, world_size=self.world, rank=self.rank,
         )  # fmt: skip
         counter = TokenCounter(batch)
-        step_fn = forward_backward_step(engine, counter, to_device, b.grad_accum)
-        out = fit(engine, plan, step_fn, dict, lambda s: None, writer, ds.all_reduce_sum, False, tokens=counter,
-                  sync_interval=sync_interval)  # fmt: skip
-        cursor[name] += n
+        step_fn = forward_backward_step(engine, counter, self.to_device, b.grad_accum)
+        out = fit(engine, plan, step_fn, dict, lambda s: None, self.writer, ds.all_reduce_sum, False, tokens=counter,
+                  sync_interval=self.sync_interval)  # fmt: skip
+        self.cursor[name] += n
         return out["train"].get("loss")
 
-    def timed(name: str, n: int) -> float:
-        ds.barrier()
-        accel.synchronize()
-        started = time.perf_counter()
-        loss = run(name, n)
-        accel.synchronize()
-        if cursor[name] == n:
-            first_loss[name] = loss
-        return (time.perf_counter() - started) / n
+    def timed(self, name: str, n: int) -> float:
+        """Seconds per step of n steps of `name`, between a barrier and accelerator synchronisations."""
+        from megagenome.train import engine as ds
 
+        loss, wall, _ = harness.timed(self.run, name, n, sync=self.accel.synchronize, barrier=ds.barrier)
+        if self.cursor[name] == n:
+            self.first_loss[name] = loss
+        return wall / n
+
+
+def timing_worker(spec_path: pathlib.Path) -> None:
+    from megagenome.train import engine as ds
+
+    v = Variants(spec_path)
     for name in VARIANTS:
-        first_step_s[name] = timed(name, 1)  # the compiled variant compiles here
-        if W > 1:
-            run(name, W - 1)
+        v.first_step_s[name] = v.timed(name, 1)  # the compiled variant compiles here
+        if v.W > 1:
+            v.run(name, v.W - 1)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    order = list(VARIANTS)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            times[name].append(timed(name, K))
-    out = {
-        "rank": rank,
-        "world": world,
-        "device": str(device),
-        "times": times,
-        "first_step_s": first_step_s,
-        "first_loss": first_loss,
-        "sync_interval": sync_interval,
-        "batch": {
-            "micro": b.micro,
-            "grad_accum": b.grad_accum,
-            "global_batch": b.global_batch,
-            "seq_len": spec["seq_len"],
-        },
-        "parameters": engines["eager"].module.num_parameters(),
-        "ds_config": ds_config,
-    }
-    (work / f"rank{rank}.json").write_text(json.dumps(out))
+    for _, name in harness.interleaved(list(VARIANTS), v.rounds):  # two variants: the order alternates
+        times[name].append(v.timed(name, v.K))
+    b = v.b
+    batch = {"micro": b.micro, "grad_accum": b.grad_accum, "global_batch": b.global_batch, "seq_len": v.spec["seq_len"]}
+    out = {"rank": v.rank, "world": v.world, "device": str(v.device), "times": times, "first_step_s": v.first_step_s}
+    out |= {"first_loss": v.first_loss, "sync_interval": v.sync_interval, "batch": batch}
+    out |= {"parameters": v.engines["eager"].module.num_parameters(), "ds_config": v.ds_config}
+    (v.work / f"rank{v.rank}.json").write_text(json.dumps(out))
     ds.barrier()
 
 
@@ -224,13 +220,9 @@ print("SYNC_COUNTS " + json.dumps({
 def count_syncs(checkout: pathlib.Path, fragments: list[str], fasta: str, timeout_s: float) -> dict:
     """Host syncs per steady-state step of pretrain.run at `checkout` (a world of one, in a process of its own),
     counted with this checkout's train/host_syncs.py; {"error": ...} when the run fails."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = harness.free_port()
     spec = {
-        "host_syncs": str(REPO / "megagenome" / "train" / "host_syncs.py"),
+        "host_syncs": str(harness.REPO / "megagenome" / "train" / "host_syncs.py"),
         "ds_config": [str(checkout / "ds_configs" / f) for f in fragments],
         "fasta": fasta,
         "val_ranges": ["NC_001422.1:4301-5386"],
@@ -252,7 +244,9 @@ def count_syncs(checkout: pathlib.Path, fragments: list[str], fasta: str, timeou
 def before_checkout(ref: str, work: pathlib.Path) -> pathlib.Path:
     """A git worktree of `ref` (detached) under work/, removed by the caller."""
     path = work / f"before-{ref}"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(path), ref], cwd=harness.REPO, check=True, capture_output=True
+    )
     return path
 
 
@@ -260,35 +254,30 @@ def before_checkout(ref: str, work: pathlib.Path) -> pathlib.Path:
 
 
 def summarise(ranks: list[dict]) -> dict:
-    per_round = {name: [max(v) for v in zip(*(r["times"][name] for r in ranks))] for name in VARIANTS}
+    per_round = harness.slowest_per_round(ranks, "times", VARIANTS)
     median = {name: statistics.median(v) for name, v in per_round.items()}
-    paired = [e / c for e, c in zip(per_round["eager"], per_round["compiled"])]
+    paired = harness.paired_ratios(per_round["eager"], per_round["compiled"])
     tokens = ranks[0]["batch"]["global_batch"] * ranks[0]["batch"]["seq_len"]
     return {
         "seconds_per_step_per_round": per_round,
         "seconds_per_step_median": median,
         "tokens_per_s_median": {k: tokens / v for k, v in median.items()},
         "eager_over_compiled_paired": paired,
-        "eager_over_compiled_quartiles": quartiles(paired),
+        "eager_over_compiled_quartiles": harness.quartiles(paired),
         "first_step_s": {k: max(r["first_step_s"][k] for r in ranks) for k in VARIANTS},
         "first_loss": ranks[0]["first_loss"],
     }
 
 
 def write_results(meta: dict, timing: dict, summary: dict, syncs: dict, results: pathlib.Path) -> None:
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "fused_paths.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "syncs": syncs, "timing_rank0": timing}, indent=1) + "\n"
-    )
+    harness.write_json(results / "fused_paths.json", {"meta": meta, "summary": summary, "syncs": syncs} | {
+        "timing_rank0": timing})  # fmt: skip
     b = timing["batch"]
     q1, q2, q3 = summary["eager_over_compiled_quartiles"]
     lines = [
         "# Eager vs compiled training steps, and host syncs per step (CPU evidence)",
         "",
-        f"- date: {meta['date']}",
-        f"- command: `{meta['command']}`",
-        f"- hardware: {meta['hardware']}",
-        f"- software: {meta['software']}",
+        *harness.header(meta),
         f"- launch: {timing['world']} rank(s) on {timing['device']}, exit code {meta['rc']}, {meta['wall_s']:.0f} s; "
         f"{meta['load']}",
         f"- model: d_model {meta['shape']['d_model']}, {meta['shape']['n_layer']} layers, {meta['shape']['n_head']} "
@@ -345,22 +334,11 @@ def write_results(meta: dict, timing: dict, summary: dict, syncs: dict, results:
         for origin, n in row.get("after", {}).get("by_origin", {}).items():
             lines.append(f"- {name}: {n:g} x `{origin}`")
     lines += ["", *meta["notes"]]
-    (results / "fused_paths.md").write_text("\n".join(lines) + "\n")
-
-
-def launch(nproc: int, spec: pathlib.Path, timeout_s: float) -> tuple[int, str]:
-    bin_dir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), __file__, "--worker", str(spec)]
-    log_path = spec.parent / "worker.log"
-    rc = run_in_session(cmd, REPO, env, log_path, timeout_s)
-    return rc, log_path.read_text(errors="replace")[-6000:]
+    harness.write_text(results / "fused_paths.md", "\n".join(lines) + "\n")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, worker=True)
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per variant per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (the first compiles)")
@@ -370,44 +348,43 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--n_head", type=int, default=8)
     ap.add_argument("--seq_len", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=2, help="micro batch per rank")
-    ap.add_argument("--ds_config", type=pathlib.Path, default=REPO / "ds_configs" / "zero1_bf16.json")
+    ap.add_argument("--ds_config", type=pathlib.Path, default=harness.REPO / "ds_configs" / "zero1_bf16.json")
     ap.add_argument("--num_threads", type=int, default=None, help="torch CPU threads per rank (default cores/ranks)")
     ap.add_argument("--before_ref", default="59cf990", help="commit to count host syncs at for 'before' ('' to skip)")
     ap.add_argument("--timeout_s", type=float, default=1800.0, help="wall-clock limit of the launch")
-    ap.add_argument("--results_dir", type=pathlib.Path, default=RESULTS)
-    ap.add_argument("--worker", type=pathlib.Path, help=argparse.SUPPRESS)
-    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--results_dir", type=pathlib.Path, default=harness.RESULTS)
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.worker:
-        timing_worker(args.worker)
-        return
-    work = pathlib.Path(tempfile.mkdtemp(prefix="mg-fused-"))
-    fasta = work / ECOLI.name
-    shutil.copy(ECOLI, fasta)
+def time_variants(args, work: pathlib.Path) -> tuple[int, float, str, list[dict]]:
+    """The timing launch: (exit code, wall seconds, the load around it, every rank's record)."""
+    fasta = harness.copy_input(harness.ECOLI, work)
     spec = work / "spec.json"
     keys = ("rounds", "steps", "warmup", "d_model", "n_layer", "n_head", "seq_len", "micro", "num_threads")
     spec.write_text(json.dumps({k: getattr(args, k) for k in keys} | {
-        "fasta": str(fasta), "val_ranges": ECOLI_VAL, "ds_config": str(args.ds_config)}))  # fmt: skip
-    started, load_before = time.time(), os.getloadavg()[0]
-    rc, tail = launch(args.nproc, spec, args.timeout_s)
-    wall, load_after = time.time() - started, os.getloadavg()[0]
+        "fasta": str(fasta), "val_ranges": harness.ECOLI_VAL, "ds_config": str(args.ds_config)}))  # fmt: skip
+    started, load_before = time.time(), harness.load_average()
+    env = harness.child_env(defaults={"OMP_NUM_THREADS": "1"})
+    rc, tail = harness.launch_worker(
+        __file__, args.nproc, spec, work / "worker.log", args.timeout_s, env=env, tail=6000
+    )
+    wall, load_after = time.time() - started, harness.load_average()
     ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
     if not ranks:
         raise SystemExit(
             f"fused_paths.py: the worker wrote no results (exit code {rc}); log {work}/worker.log:\n{tail}"
         )
-    summary = summarise(ranks)
-    phix = work / "phiX174.fna"
-    shutil.copy(REPO / "tests" / "data" / "phiX174_NC_001422.1.fna", phix)
+    load = f"1-minute load average {load_before:.1f} before, {load_after:.1f} after ({os.cpu_count()} cores)"
+    return rc, wall, load, ranks
+
+
+def all_syncs(before_ref: str, work: pathlib.Path) -> dict:
+    """Host syncs per steady-state step of every SYNC_CONFIGS engine, at this checkout and at before_ref."""
+    phix = harness.copy_input(harness.PHIX, work)
     syncs: dict = {name: {} for name in SYNC_CONFIGS}
-    checkouts = {"after": REPO}
-    if args.before_ref:
-        checkouts["before"] = before_checkout(args.before_ref, work)
+    checkouts = {"after": harness.REPO}
+    if before_ref:
+        checkouts["before"] = before_checkout(before_ref, work)
     try:
         for when, checkout in checkouts.items():
             for name, fragments in SYNC_CONFIGS.items():
@@ -416,43 +393,60 @@ def main(argv: list[str] | None = None) -> None:
                 syncs[name][when] = count_syncs(checkout, fragments, str(phix), timeout_s=600)
     finally:
         if "before" in checkouts:
-            subprocess.run(["git", "worktree", "remove", "--force", str(checkouts["before"])], cwd=REPO, check=False)
+            remove = ["git", "worktree", "remove", "--force", str(checkouts["before"])]
+            subprocess.run(remove, cwd=harness.REPO, check=False)
+    return syncs
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = harness.argv_of(argv)
+    args = parse_args(argv)
+    if args.worker:
+        timing_worker(args.worker)
+        return
+    work = harness.work_dir("mg-fused-")
+    rc, wall, load, ranks = time_variants(args, work)
+    summary = summarise(ranks)
+    syncs = all_syncs(args.before_ref, work)
     meta = {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", "benchmarks/fused_paths.py", *argv]),
-        "hardware": hardware(),
-        "software": software(),
+        "date": harness.today(),
+        "command": harness.command("fused_paths.py", argv),
+        "hardware": harness.hardware(),
+        "software": harness.software(),
         "rc": rc,
         "wall_s": wall,
-        "load": f"1-minute load average {load_before:.1f} before, {load_after:.1f} after ({os.cpu_count()} cores)",
+        "load": load,
         "shape": {k: getattr(args, k) for k in ("d_model", "n_layer", "n_head")},
-        "ds_config_file": os.path.relpath(args.ds_config, REPO),
+        "ds_config_file": os.path.relpath(args.ds_config, harness.REPO),
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
         "before": f"commit {args.before_ref} (the loop before --train.sync_interval)" if args.before_ref else "skipped",
-        "notes": [
-            "Notes:",
-            "",
-            "- On the CPU nothing waits at a 'sync' (host and device are one); each counted call is one that makes the "
-            "host wait on a GPU. megagenome's own syncs between sync points are 0 on the bf16 ZeRO paths; ZeRO-0 fp32 "
-            "keeps 2 per step (the step measures the gradient norm DeepSpeed does not record there, and the guard "
-            "reads one overflow flag: a plain torch optimizer has no check of its own).",
-            "- DeepSpeed's own syncs (its gradient-norm validity and overflow checks, torch's optimizer step counter) "
-            "are DeepSpeed's; megagenome does not patch DeepSpeed.",
-            "- The first-step losses of the two variants (same weights, same batch) agree to bf16 rounding (fusion "
-            "changes where bf16 intermediates round); in fp32 the compiled block equals eager within 2.4e-7 "
-            "(tests/test_fused_paths.py). The ratio's size on a GPU, where elementwise kernels are a larger share of "
-            "a short step, is what gpu_check.py measures.",
-            "- 'before' for zero1_bf16 ran that commit's zero1_bf16.json (ZeRO-1 + bf16 + fp32 accumulation: "
-            "BF16_Optimizer), 'after' today's (DeepSpeed's ZeRO optimizer with overlapped reduction); zero2_bf16 "
-            "before: zero2.json + bf16.json, the same settings.",
-        ],
+        "notes": NOTES,
     }
     write_results(meta, ranks[0], summary, syncs, args.results_dir)
     print(
         f"eager/compiled {summary['eager_over_compiled_quartiles']}; wrote {args.results_dir}/fused_paths.{{md,json}}"
     )
+
+
+NOTES = [
+    "Notes:",
+    "",
+    "- On the CPU nothing waits at a 'sync' (host and device are one); each counted call is one that makes the "
+    "host wait on a GPU. megagenome's own syncs between sync points are 0 on the bf16 ZeRO paths; ZeRO-0 fp32 "
+    "keeps 2 per step (the step measures the gradient norm DeepSpeed does not record there, and the guard "
+    "reads one overflow flag: a plain torch optimizer has no check of its own).",
+    "- DeepSpeed's own syncs (its gradient-norm validity and overflow checks, torch's optimizer step counter) "
+    "are DeepSpeed's; megagenome does not patch DeepSpeed.",
+    "- The first-step losses of the two variants (same weights, same batch) agree to bf16 rounding (fusion "
+    "changes where bf16 intermediates round); in fp32 the compiled block equals eager within 2.4e-7 "
+    "(tests/test_fused_paths.py). The ratio's size on a GPU, where elementwise kernels are a larger share of "
+    "a short step, is what gpu_check.py measures.",
+    "- 'before' for zero1_bf16 ran that commit's zero1_bf16.json (ZeRO-1 + bf16 + fp32 accumulation: "
+    "BF16_Optimizer), 'after' today's (DeepSpeed's ZeRO optimizer with overlapped reduction); zero2_bf16 "
+    "before: zero2.json + bf16.json, the same settings.",
+]
 
 
 if __name__ == "__main__":

@@ -78,14 +78,14 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
-from importlib import metadata
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 for _path in (REPO, REPO / "benchmarks"):  # run as a script from a checkout that is not installed
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
+
+import harness  # noqa: E402  (standard library only: safe before the package probe)
 
 # (import name, pip name): what `megagenome pretrain` and DeepSpeed 0.19.8 import or call on a GPU run (DeepSpeed's
 # own requirements, megagenome's, and what those import at start-up).
@@ -168,11 +168,7 @@ class Clock:
 
 def versions() -> dict:
     out = {"python": platform.python_version()}
-    for dist in ("torch", "deepspeed", "flash-attn", "transformers"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
+    out |= {dist: harness.version(dist) for dist in ("torch", "deepspeed", "flash-attn", "transformers")}
     import torch
 
     out["cuda"] = torch.version.cuda
@@ -197,9 +193,7 @@ def device_info() -> dict:
             "peak_tflops": found[1] if found else None,
             "peak_name": found[0] if found else None,
         }
-    from hardware import cpu_name
-
-    return {"type": "cpu", "name": f"{cpu_name()}, {os.cpu_count()} cores", "memory_bytes": None}
+    return {"type": "cpu", "name": harness.cpu(), "memory_bytes": None}
 
 
 # ----- step 1: the GPU-marked tests ---------------------------------------------------------------------------------
@@ -343,7 +337,7 @@ def _row(c: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--out", default=None, help="output directory (default: $OUT, else benchmarks/results)")
     ap.add_argument("--budget_s", type=float, default=450.0, help="wall-clock budget of the whole check")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, no GPU tests (for the CPU test)")
@@ -381,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {plan['note']}", file=sys.stderr, flush=True)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": harness.command("gpu_check.py", harness.argv_of(argv)),
         "smoke": args.smoke,
         "budget_s": args.budget_s,
         "device": dev,
@@ -407,7 +401,7 @@ def run_steps(args, result: dict, plan: dict, clock: Clock, out: pathlib.Path, o
         now = {"complete": complete, "wall_s": round(clock.spent(), 1), "tests": tests, "cells": cells}
         return {**result, **now, "goals": goals(cells, result["device"], args.smoke)}
 
-    work = pathlib.Path(tempfile.mkdtemp(prefix="mg-gpu-check-"))
+    work = harness.work_dir("mg-gpu-check-")
     try:
         if args.smoke or args.skip_tests or any(m["module"] == "pytest" for m in optional):
             reason = (
@@ -429,10 +423,7 @@ def write_results(out: pathlib.Path, result: dict) -> None:
     """gpu_check.json and gpu_check.md in `out`, each replaced whole (never left half-written); a failure to write
     is reported and the check goes on."""
     try:
-        for name, text in (("gpu_check.json", json.dumps(result, indent=2) + "\n"), ("gpu_check.md", markdown(result))):
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out / name)
+        harness.write_results(out, "gpu_check", result, markdown(result), indent=2)
     except Exception as e:
         print(f"gpu_check: could not write the results to {out}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 

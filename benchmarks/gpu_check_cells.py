@@ -15,24 +15,23 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 
+import harness
+
 from megagenome.config import RootConfig, d_ff, to_dict
 from megagenome.config.load import config_from_args
-from megagenome.observe.metrics import flops_per_token
+from megagenome.model.transformer.flops import flops_per_token
 from megagenome.observe.record import write_yaml
 from megagenome.run import trials
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = harness.REPO
 MODELS = {"125M": "configs/dna_125m.yaml", "1B": "configs/dna_1b.yaml"}
 # (model, sequence, variant): the goal cells first (1B at 8192 and 32768), then the compiled goal cell, the rest.
 # Variants: "eager" runs --model.attention auto, "compile" adds --model.compile true, "flash" forces flash-attn 2
@@ -146,7 +145,10 @@ def megagenome_cell(cfg: RootConfig, micro: int, plan: dict, work: pathlib.Path,
     write_yaml(str(config_path), to_dict(cell_trial_config(cfg, micro, plan, run_dir)))
     cmd = [sys.executable, "-m", "megagenome", "pretrain", "--config", str(config_path)]
     started, want = time.monotonic(), plan["warmup_rows"] + plan["timed_rows"]
-    rows, how = _watch(cmd, log_path, run_dir / "metrics.jsonl", want, timeout)
+    metrics = run_dir / "metrics.jsonl"
+    until = lambda: len(train_rows(metrics)) >= want  # noqa: E731  (its timed rows are written: end it)
+    _, how = harness.run_session(cmd, log_path, timeout, cwd=None, env=trials.child_env(), until=until)
+    rows = train_rows(metrics)
     wall = round(time.monotonic() - started, 1)
     text = log_path.read_text(encoding="utf-8", errors="replace")
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -169,33 +171,6 @@ def megagenome_cell(cfg: RootConfig, micro: int, plan: dict, work: pathlib.Path,
     oom = trials.oom_line(text)
     reason = f"timeout after {timeout:.0f} s" if how == "timeout" else oom or _tail(text)
     return {**out, "status": "oom" if oom else "failed", "reason": reason[-2000:]}
-
-
-def _watch(cmd: list[str], log_path: pathlib.Path, metrics: pathlib.Path, want: int, timeout: float):
-    """Run cmd in a session of its own; end it (SIGKILL to the group) once `metrics` holds `want` training rows, or
-    at the timeout. Returns (the rows, "done" | "exited" | "timeout")."""
-    deadline = time.monotonic() + timeout
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=trials.child_env(), start_new_session=True
-        )
-        how = "exited"
-        try:
-            while how == "exited" and proc.poll() is None:
-                if len(train_rows(metrics)) >= want:
-                    how = "done"
-                elif time.monotonic() > deadline:
-                    how = "timeout"
-                else:
-                    time.sleep(0.25)
-        finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-    return train_rows(metrics), how
 
 
 def train_rows(path: pathlib.Path) -> list[dict]:
@@ -314,11 +289,7 @@ def genome_copy(model: str, work: pathlib.Path) -> str:
 
     with open(REPO / MODELS[model], encoding="utf-8") as fh:
         source = REPO / yaml.safe_load(fh)["data"]["fasta"]
-    dest = work / "genome" / source.name
-    if not dest.exists():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(source, dest)
-    return str(dest)
+    return str(harness.copy_input(source, work / "genome", keep=True))
 
 
 def parameters(cfg: RootConfig) -> int:
@@ -326,7 +297,7 @@ def parameters(cfg: RootConfig) -> int:
     import torch
 
     from megagenome.data.tokenizer import VOCAB_SIZE
-    from megagenome.model import DNATransformer
+    from megagenome.model.transformer import DNATransformer
 
     with torch.device("meta"):
         return DNATransformer(cfg.model, VOCAB_SIZE).num_parameters()

@@ -12,15 +12,12 @@ Writes gpu_prediction_h200.json and gpu_prediction_h200.md in --results_dir (def
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import pathlib
 import shlex
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+import harness
+
 CONFIG = ["--config", "configs/dna_1b.yaml", "--model.d_ff", "5632"]
 CELLS = {  # seq -> run-config flags on top of CONFIG
     8192: ["--train.micro_batch_size", "2", "--train.grad_accum_steps", "4"],
@@ -37,7 +34,7 @@ def predict() -> dict:
     from megagenome.planner import plan
     from megagenome.planner.timing import Cluster
 
-    os.chdir(REPO)  # the run config names its files relative to the repository
+    os.chdir(harness.REPO)  # the run config names its files relative to the repository
     out = {}
     for seq, flags in CELLS.items():
         built = plan.build(config_from_args([*CONFIG, *flags]), Cluster(**CLUSTER))
@@ -125,18 +122,16 @@ def markdown(cells: dict, date: str, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results_dir", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--date", default=datetime.date.today().isoformat())
-    args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO))
+    ap = harness.parser(__doc__, paragraph=True)
+    ap.add_argument("--results_dir", default=str(harness.RESULTS))
+    ap.add_argument("--date", default=harness.today())
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(harness.REPO))
     cells = predict()
-    command = f"python benchmarks/gpu_prediction.py --date {args.date}"
-    results = pathlib.Path(args.results_dir)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "gpu_prediction_h200.json").write_text(json.dumps({"date": args.date, "cells": cells}, indent=1) + "\n")
-    (results / "gpu_prediction_h200.md").write_text(markdown(cells, args.date, command))
-    print(f"wrote {results / 'gpu_prediction_h200.md'}")
+    cmd = harness.command("gpu_prediction.py", ["--date", args.date])  # where the files go is not part of what they say
+    harness.write_json(f"{args.results_dir}/gpu_prediction_h200.json", {"date": args.date, "cells": cells})
+    md = harness.write_text(f"{args.results_dir}/gpu_prediction_h200.md", markdown(cells, args.date, cmd))
+    print(f"wrote {md}")
     return 0
 
 

@@ -36,31 +36,22 @@ count), and the Markdown is rendered from those two alone, so --render rewrites 
 
 from __future__ import annotations
 
-import argparse
 import csv
-import datetime
 import gc
 import json
 import os
 import pathlib
-import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
-from hardware import hardware, software  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+import harness
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 MODEL = {"d_model": 512, "n_layer": 16, "n_head": 8, "max_seq_len": 2048}
 SEQ_LEN = 2048
-BF16_ONLY = "bf16_only.json"  # written into the work directory: {"bf16": {"enabled": true}}
 ENGINES = {
-    "zero0": ["zero0.json", BF16_ONLY],
+    "zero0": ["zero0.json", harness.BF16_ONLY],
     "zero1": ["zero1.json", "bf16.json"],
     "zero2": ["zero2.json", "bf16.json"],
     "zero3": ["zero3.json", "bf16.json"],
@@ -91,19 +82,6 @@ def grid(name: str) -> list[tuple[str, list[tuple[str, int]]]]:
 # ---------------------------------------------------------------------------------------------------- worker
 
 
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as fh:  # "5": reset the peak RSS (Linux >= 4.0)
-        fh.write("5")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank: int, world: int):
     """Build one engine, take a warm-up step, then `rounds` interleaved timed steps of every cell.
 
@@ -113,10 +91,8 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
 
     from megagenome.config import ModelConfig, RootConfig
     from megagenome.data.tokenizer import VOCAB_SIZE
-    from megagenome.model import DNATransformer
+    from megagenome.model.transformer import DNATransformer
     from megagenome.parallel.layout import ParallelLayout
-    from megagenome.train import ds_config as dsc
-    from megagenome.train import ds_final
     from megagenome.train import engine as ds
     from megagenome.train.loop import peak_memory_bytes
     from megagenome.train.memory import memory_probe
@@ -126,13 +102,11 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
     cfg = RootConfig(model=ModelConfig(**MODEL))
     cfg.train.micro_batch_size, cfg.train.max_steps, cfg.train.warmup_steps = 1, 1000, 10
     engine_name = run_name.split("#")[0]
-    files = [str(out / f) if f == BF16_ONLY else str(REPO / "ds_configs" / f) for f in ENGINES[engine_name]]
-    ds_json, sources, problems = dsc.merge_fragments(files)
-    problems += dsc.check_ds_config(ds_json, " + ".join(files), "memory_sweep", False, sources, ds.section_problems)
-    if problems:
-        raise ValueError("; ".join(problems))
+    files = [
+        str(out / f) if f == harness.BF16_ONLY else str(harness.REPO / "ds_configs" / f) for f in ENGINES[engine_name]
+    ]
     batch = ParallelLayout(world).batch(cfg.train)
-    ds_config = ds_final.build_ds_config(ds_json, batch, cfg.train, universal=False, on_gpu=False)
+    ds_config = harness.ds_dict(files, " + ".join(files), "memory_sweep", False, batch, cfg.train)
     torch.manual_seed(0)
     model = DNATransformer(cfg.model, VOCAB_SIZE)
     n_params = model.num_parameters()  # before initialize: ZeRO-3 leaves empty parameters on the module
@@ -163,7 +137,7 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
             if cell in errors:
                 continue
             try:
-                _reset_peak_rss()
+                harness.reset_peak(gpu=False)
                 seconds, cpu_seconds = step(*cell, index)
                 samples[cell]["times"].append(seconds)
                 samples[cell]["cpu"].append(cpu_seconds)
@@ -182,7 +156,7 @@ def worker(out: pathlib.Path, plan: list, rounds: int) -> None:
     torch.set_num_threads(1)
     rank, _, world = ds.init_distributed()
     for run_name, cells in plan:
-        started, rss_before = time.time(), _rss_bytes()
+        started, rss_before = time.time(), harness.proc_status("VmRSS")
         try:
             samples, errors = run_engine(out, run_name, cells, rounds, rank, world)
         except Exception as e:
@@ -229,20 +203,9 @@ def launch(nproc: int, work: pathlib.Path, run: tuple, rounds: int) -> tuple[int
     run_dir = work / run[0]
     run_dir.mkdir(parents=True, exist_ok=True)
     (work / "plan.json").write_text(json.dumps([run]))
-    bin_dir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed blocks go back to the kernel, so RSS follows live memory
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), __file__, "--worker", str(work)]
-    cmd += ["--rounds", str(rounds)]
-    with open(run_dir / "worker.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=WORKER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-    return rc, (run_dir / "worker.log").read_text(errors="replace")[-2000:]
+    env = harness.child_env(OMP_NUM_THREADS="1", **harness.QUIET_MALLOC)  # RSS follows live memory
+    log, rounds_flag = run_dir / "worker.log", ["--rounds", str(rounds)]
+    return harness.launch_worker(__file__, nproc, work, log, WORKER_TIMEOUT_S, *rounds_flag, env=env, tail=2000)
 
 
 def summarise(rows: list[dict], plan: list, ended: dict[str, tuple[int, str]]) -> list[dict]:
@@ -308,7 +271,6 @@ CSV_FIELDS += ["wall_s_median", "wall_ratio_vs_zero0_none", "cpu_s", "wall_s", "
 
 def write_results(rows: list[dict], meta: dict) -> None:
     """memory_sweep.csv (the rows) and memory_sweep.json (meta), then the Markdown from those two and the PNG."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
     table = []
     for r in rows:
         table.append(
@@ -331,29 +293,23 @@ def write_results(rows: list[dict], meta: dict) -> None:
                 "error": r["error"] or "",
             }
         )
-    with open(RESULTS / "memory_sweep.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        w.writerows(table)
+    harness.write_csv(harness.RESULTS / "memory_sweep.csv", CSV_FIELDS, table)
     psi = next((r["parameters"] for r in rows if r.get("parameters")), None)
-    (RESULTS / "memory_sweep.json").write_text(json.dumps({**meta, "parameters": psi}, indent=1) + "\n")
+    harness.write_json(harness.RESULTS / "memory_sweep.json", {**meta, "parameters": psi})
     render()
     plot(rows)
 
 
 def render() -> None:
     """memory_sweep.md from memory_sweep.csv and memory_sweep.json, nothing else."""
-    meta = json.loads((RESULTS / "memory_sweep.json").read_text())
-    with open(RESULTS / "memory_sweep.csv", newline="") as fh:
+    meta = json.loads((harness.RESULTS / "memory_sweep.json").read_text())
+    with open(harness.RESULTS / "memory_sweep.csv", newline="") as fh:
         table = list(csv.DictReader(fh))
     psi = meta["parameters"]
     lines = [
         "# Memory sweep: ZeRO stage x offload x activation checkpointing x micro batch",
         "",
-        f"- date: {meta['date']}",
-        f"- command: `{meta['command']}`",
-        f"- hardware: {meta['hardware']}; {meta['load']}",
-        f"- software: {meta['software']}",
+        *harness.header(meta, f"; {meta['load']}"),
         f"- model: d_model {MODEL['d_model']}, {MODEL['n_layer']} layers, {MODEL['n_head']} heads, "
         f"Ψ = {psi:,} parameters, seq_len {SEQ_LEN}, bf16, AdamW (torch), {meta['nproc']} CPU ranks (gloo)"
         if psi
@@ -388,16 +344,12 @@ def render() -> None:
             f"{t['wall_s_median']} | {t['wall_ratio_vs_zero0_none']} | "
             f"{t['error'][:200]} |"
         )
-    (RESULTS / "memory_sweep.md").write_text("\n".join(lines) + "\n")
+    harness.write_text(harness.RESULTS / "memory_sweep.md", "\n".join(lines) + "\n")
 
 
 def plot(rows: list[dict]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = harness.pyplot()
+    if plt is None:
         print("matplotlib is not installed (pip install -e '.[bench]'): no PNG written", file=sys.stderr)
         return
     ok = [r for r in rows if not r["error"] and r["peak_rss_bytes"]]
@@ -425,19 +377,17 @@ def plot(rows: list[dict]) -> None:
     ax_time.set_title("Step time ratio")
     fig.suptitle(f"51M-parameter DNA LM, seq {SEQ_LEN}, bf16, 2 CPU ranks")
     fig.tight_layout()
-    fig.savefig(RESULTS / "memory_sweep.png", dpi=110)
+    fig.savefig(harness.RESULTS / "memory_sweep.png", dpi=110)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, worker=True)
     ap.add_argument("--grid", choices=["reduced", "full"], default="reduced", help="cells to run (see grid())")
     ap.add_argument("--rounds", type=int, default=2, help="timed steps per cell, interleaved across cells")
     ap.add_argument("--nproc", type=int, default=2, help="CPU ranks")
     ap.add_argument(
         "--render", action="store_true", help="no sweep: write memory_sweep.md again from memory_sweep.{csv,json}"
     )
-    ap.add_argument("--worker", type=pathlib.Path, help=argparse.SUPPRESS)  # the launched ranks
-    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # appended by the deepspeed launcher
     args = ap.parse_args()
     if args.worker:
         plan = [(run, [tuple(c) for c in cells]) for run, cells in json.loads((args.worker / "plan.json").read_text())]
@@ -445,28 +395,28 @@ def main() -> None:
         return
     if args.render:
         render()
-        print(f"wrote {RESULTS}/memory_sweep.md from memory_sweep.csv and memory_sweep.json")
+        print(f"wrote {harness.RESULTS}/memory_sweep.md from memory_sweep.csv and memory_sweep.json")
         return
     plan = grid(args.grid)
-    work = pathlib.Path(tempfile.mkdtemp(prefix="mg-memory-sweep-"))
-    (work / BF16_ONLY).write_text(json.dumps({"bf16": {"enabled": True}}))
+    work = harness.work_dir("mg-memory-sweep-")
+    harness.write_bf16_only(work)
     started, ended, loads = time.time(), {}, []
     for run in plan:
         # A fresh launch per engine configuration: DeepSpeed engines are not freed when dropped (their hooks
         # keep them alive), so a second engine in the same processes would add the first one's memory to RSS.
-        load_before = os.getloadavg()[0]
+        load_before = harness.load_average()
         ended[run[0]] = launch(args.nproc, work, run, args.rounds)
-        loads.append(f"{run[0]} {load_before:.1f}->{os.getloadavg()[0]:.1f}")
+        loads.append(f"{run[0]} {load_before:.1f}->{harness.load_average():.1f}")
         print(f"{run[0]}: rc {ended[run[0]][0]}, {(time.time() - started) / 60:.1f} min", flush=True)
     wall = time.time() - started
     rows_file = work / "cells.jsonl"
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
 
     meta = {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
-        "hardware": hardware(),
-        "software": software(),
+        "date": harness.today(),
+        "command": harness.command("memory_sweep.py", harness.argv_of(None)),
+        "hardware": harness.hardware(),
+        "software": harness.software(),
         "nproc": args.nproc,
         "grid": args.grid,
         "rounds": args.rounds,
@@ -475,9 +425,9 @@ def main() -> None:
         "load": "1-minute load average before->after each launch (the 2 ranks alone make 2): " + ", ".join(loads),
     }
     results = summarise(rows, plan, ended)
-    (work / "summary.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    harness.write_json(work / "summary.json", {"meta": meta, "rows": results})
     write_results(results, meta)
-    print(f"wrote {RESULTS}/memory_sweep.{{csv,md,png}} in {wall / 60:.1f} min (work dir {work})")
+    print(f"wrote {harness.RESULTS}/memory_sweep.{{csv,md,png}} in {wall / 60:.1f} min (work dir {work})")
 
 
 if __name__ == "__main__":

@@ -12,23 +12,17 @@ training (from the run's config.yaml and metrics.jsonl), the context window, wal
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
 import os
 import pathlib
 import subprocess
-import sys
 import tempfile
 
+import harness
 import yaml
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from hardware import hardware, software  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-
-FASTA = REPO / "examples" / "data" / "opengenome2_metagenomics_test_100x8192.fasta"
+FASTA = harness.REPO / "examples" / "data" / "opengenome2_metagenomics_test_100x8192.fasta"
 # (model as published, its size as published, per-sequence mean NLL in nats/base)
 PUBLISHED = [
     ("BioNeMo OpenGenome2 recipe: Llama-3 trained on OpenGenome2", "7B", 0.920),
@@ -39,9 +33,7 @@ PUBLISHED = [
 def training(run_dir: pathlib.Path) -> dict:
     """Size and training of a run, from its records."""
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in rows if "split" not in r]
-    val = [r for r in rows if r.get("split") == "val"]
+    train, val = harness.run_rows(run_dir)
     return {
         "genome": os.path.basename(cfg["data"]["fasta"] or cfg["data"]["prepared"]),
         "steps": train[-1]["step"] if train else 0,
@@ -53,13 +45,11 @@ def training(run_dir: pathlib.Path) -> dict:
 
 def evaluate(run_dir: pathlib.Path, ranks: int, work: pathlib.Path) -> dict:
     """`megagenome eval` on the OpenGenome2 windows through the deepspeed launcher; its JSON result."""
-    fasta = work / FASTA.name  # pyfaidx writes its index beside the FASTA: a copy keeps the repository clean
-    fasta.write_bytes(FASTA.read_bytes())
+    fasta = harness.copy_input(FASTA, work)  # pyfaidx writes its index beside the FASTA: keep the checkout clean
     out = work / f"{run_dir.name}.json"
-    bin_dir = pathlib.Path(sys.executable).parent
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(ranks), "--module", "megagenome", "eval", str(run_dir)]
+    cmd = harness.deepspeed_cmd(ranks, "--module", "megagenome", "eval", run_dir)
     cmd += ["--fasta", str(fasta), "--output", str(out), "--progress", "false"]
-    subprocess.run(cmd, cwd=REPO, check=True)
+    subprocess.run(cmd, cwd=harness.REPO, check=True, env=harness.child_env())
     return json.loads(out.read_text())
 
 
@@ -101,38 +91,36 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--runs", nargs="+", default=["runs/tiny"], help="Run directories to evaluate.")
     ap.add_argument("--ranks", type=int, default=2, help="Ranks of the eval launch.")
-    ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--results", default=str(harness.RESULTS))
     ap.add_argument("--render", action="store_true", help="Rewrite the .md from the saved .json, evaluating nothing.")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.results)
     if args.render:
         result = json.loads((out / "opengenome2_nll.json").read_text())
         result["published"] = PUBLISHED
-        (out / "opengenome2_nll.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "opengenome2_nll.md").write_text(markdown(result))
+        harness.write_results(out, "opengenome2_nll", result, markdown(result), indent=2)
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in args.runs:
-            run_dir = (REPO / run).resolve()
+            run_dir = (harness.REPO / run).resolve()
             rows.append(
                 {"run": run, "training": training(run_dir), "eval": evaluate(run_dir, args.ranks, pathlib.Path(tmp))}
             )
     for row in rows:
         row["eval"].pop("records")  # 100 per-record rows: kept out of the results file
     result = {
-        "date": datetime.date.today().isoformat(),
-        "argv": sys.argv[1:] if argv is None else argv,
-        "hardware": hardware(),
-        "software": software(),
+        "date": harness.today(),
+        "argv": harness.argv_of(argv),
+        "hardware": harness.hardware(),
+        "software": harness.software(),
         "published": PUBLISHED,
         "rows": rows,
     }
-    (out / "opengenome2_nll.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "opengenome2_nll.md").write_text(markdown(result))
+    harness.write_results(out, "opengenome2_nll", result, markdown(result), indent=2)
     print(markdown(result))
 
 

@@ -16,8 +16,8 @@ held-out values and step times, and the load average before and after. All arms 
 ~19M-parameter model (d_model 512, 6 layers, micro batch 1, so that model states dominate) gives (a) memory.json's
 optimizer-state bytes per parameter (one data-parallel replica: the states are created at the first step, so the
 probe after step 1 sees them) and (b) rank 0's peak RSS during the arm minus its RSS at the arm's start, per
-parameter (the peak reset through /proc/self/clear_refs, as benchmarks/sweep.py does); refused combinations are
-named with the reason.
+parameter (the peak reset through /proc/self/clear_refs: harness.reset_peak, as in benchmarks/sweep.py); refused
+combinations are named with the reason.
 
 Writes benchmarks/results/optimizers.md and .json.
 """
@@ -25,7 +25,6 @@ Writes benchmarks/results/optimizers.md and .json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -33,12 +32,9 @@ import statistics
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from hardware import hardware, run_in_session, software  # noqa: E402  (benchmarks/ is on sys.path as a script)
-from sweep import _peak, _reset_peak  # noqa: E402  (the peak-RSS reset and read of the sweep's worker)
+import harness
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = harness.REPO / "configs" / "tiny.yaml"
 DEFAULT_LRS = {
     "adamw": [2e-3, 4e-3],
     "lamb": [5e-3, 2e-2],
@@ -51,16 +47,14 @@ MEMORY_MODEL = ["--model.d_model", "512", "--model.n_layer", "6", "--model.n_hea
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, worker=True, paragraph=True)
     p.add_argument("--steps", type=int, default=100, help="optimizer steps per arm (the token budget)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--lrs", nargs="*", default=[], help="optimizer=lr1,lr2 (overrides the default sweep)")
     p.add_argument("--optimizers", default=",".join(DEFAULT_LRS), help="comma-separated subset")
     p.add_argument("--work_dir", default=None, help="default: a fresh temporary directory")
-    p.add_argument("--results_dir", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--results_dir", default=str(harness.RESULTS))
     p.add_argument("--timeout_s", type=float, default=5400)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher passes it
     return p.parse_args(argv)
 
 
@@ -126,15 +120,19 @@ def worker(spec_path: pathlib.Path) -> None:
     spec = json.loads(spec_path.read_text())
     out = {}
     for arm in spec["arms"]:
-        started, rss_start = time.time(), _reset_peak(gpu=False)
+        started, rss_start = time.time(), harness.reset_peak(gpu=False)
         try:
             pretrain.run(config_from_args(["--config", str(TINY), *arm["flags"]]), [str(TINY)], keep_process_group=True)
-            out[arm["name"]] = {"wall_s": time.time() - started, "rss_start": rss_start, "rss_peak": _peak(gpu=False)}
+            out[arm["name"]] = {
+                "wall_s": time.time() - started,
+                "rss_start": rss_start,
+                "rss_peak": harness.peak(gpu=False),
+            }
         except SystemExit as e:  # refused before launch (the checks' problems are printed), or stopped
             out[arm["name"]] = {"refused": f"exit {e.code}"}
         except Exception as e:  # noqa: BLE001  (a failing arm is a row, the others still run)
             out[arm["name"]] = {"error": f"{type(e).__name__}: {e}"[:400]}
-    if int(os.environ.get("RANK", "0")) == 0:
+    if harness.rank() == 0:
         (spec_path.parent / "walls.json").write_text(json.dumps(out))
     engine.shutdown()
 
@@ -157,9 +155,7 @@ def read_arm(work: pathlib.Path, arm: dict, walls: dict) -> dict:
     row = {k: arm[k] for k in ("name", "optimizer", "lr", "schedule", "stage") if k in arm} | walls.get(arm["name"], {})
     if not (run / "metrics.jsonl").exists():
         return row
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    train = [r for r in rows if "split" not in r]
-    val = [r for r in rows if r.get("split") == "val"]
+    train, val = harness.run_rows(run)
     timed = train[1:] or train
     if timed and timed[0].get("tokens_per_s"):
         tokens_per_step = train[-1]["tokens"] / train[-1]["step"]
@@ -178,11 +174,7 @@ def read_arm(work: pathlib.Path, arm: dict, walls: dict) -> dict:
 def launch(args, work: pathlib.Path, arms: list[dict]) -> dict:
     spec = work / "spec.json"
     spec.write_text(json.dumps({"arms": arms}))
-    bin_dir = pathlib.Path(sys.executable).parent
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(args.ranks), str(pathlib.Path(__file__).resolve())]
-    cmd += ["--worker", str(spec)]
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    rc = run_in_session(cmd, REPO, env, work / "launch.log", args.timeout_s)
+    rc, _ = harness.launch_worker(__file__, args.ranks, spec, work / "launch.log", args.timeout_s)
     if rc != 0:
         print(f"launch exited {rc}; its log: {work / 'launch.log'}", file=sys.stderr)
     walls = work / "walls.json"
@@ -279,10 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(pathlib.Path(args.worker))
         return
-    import tempfile
-
-    work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="optimizers-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = harness.work_dir("optimizers-", args.work_dir)
     started, load_before = time.time(), load()
     arms, memory_rows = training_arms(args, work), memory_arms(args, work)
     for arm in arms + memory_rows:
@@ -307,10 +296,10 @@ def main(argv: list[str] | None = None) -> None:
         {},
     )
     meta = {
-        "command": "python benchmarks/optimizers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "hardware": hardware(),
-        "software": software(),
+        "command": harness.command("optimizers.py", harness.argv_of(argv)),
+        "date": harness.today(),
+        "hardware": harness.hardware(),
+        "software": harness.software(),
         "load_before": load_before,
         "load_after": load(),
         "wall_s": time.time() - started,
@@ -319,14 +308,10 @@ def main(argv: list[str] | None = None) -> None:
         "work_dir": str(work),
     }
     results = pathlib.Path(args.results_dir)
-    results.mkdir(parents=True, exist_ok=True)
     clean = [{k: v for k, v in r.items() if k not in ("flags", "memory")} for r in rows]
     clean_memory = [{k: v for k, v in r.items() if k not in ("flags", "memory")} for r in memory_rows]
-    (results / "optimizers.json").write_text(
-        json.dumps({"meta": meta, "arms": clean, "memory": clean_memory}, indent=1)
-    )
-    (results / "optimizers.md").write_text(markdown(meta, clean, clean_memory))
-    print((results / "optimizers.md").read_text())
+    harness.write_json(results / "optimizers.json", {"meta": meta, "arms": clean, "memory": clean_memory})
+    print(harness.write_text(results / "optimizers.md", markdown(meta, clean, clean_memory)).read_text())
 
 
 if __name__ == "__main__":

@@ -31,26 +31,18 @@ Writes benchmarks/results/parallel_sweep.{md,json}.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import datetime
 import json
 import os
 import pathlib
-import shlex
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
-from hardware import hardware, software  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+import harness
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-FASTA = REPO / "tests" / "data" / "phiX174_NC_001422.1.fna"
+FASTA = harness.PHIX
 # world size -> (global batch in sequences, cells (name, tp, pp))
 LAUNCHES = {
     2: (4, [("w2_tp1_pp1", 1, 1), ("w2_tp2_pp1", 2, 1), ("w2_tp1_pp2", 1, 2)]),
@@ -58,6 +50,7 @@ LAUNCHES = {
 }
 MICRO = 2
 SKIP_STEPS = 2
+LAUNCH_TIMEOUT_S = 1800
 COMMS_FRAGMENT = {"comms_logger": {"enabled": True, "verbose": False, "prof_all": True}}
 OPS = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter", "broadcast"]
 OPS += ["send", "recv", "isend", "irecv", "reduce", "all_to_all_single", "gather", "scatter"]
@@ -70,7 +63,7 @@ def cell_config(work: pathlib.Path, name: str, world: int, tp: int, pp: int, ste
         "data": {"fasta": str(work / FASTA.name), "seq_len": 512, "val_ranges": ["NC_001422.1:4301-5386"]}
         | {"eval_windows": 2},
         "train": {
-            "ds_config": [str(REPO / "ds_configs" / "zero0.json"), str(work / "comms_logger.json")],
+            "ds_config": [str(harness.REPO / "ds_configs" / "zero0.json"), str(work / "comms_logger.json")],
             "micro_batch_size": MICRO,
             "grad_accum_steps": LAUNCHES[world][0] // (MICRO * dp),
             "max_steps": steps,
@@ -221,7 +214,7 @@ def worker(spec_path: pathlib.Path) -> None:
     loop.forward_backward_step = _in_step(loop.forward_backward_step)  # the step functions pretrain.train_step picks
     pipeline.train_step = _in_step(pipeline.train_step)
     spec = json.loads(spec_path.read_text())
-    rank = int(os.environ.get("RANK", "0"))
+    me = harness.rank()
     for scenario in spec["scenarios"]:
         cfg = config_from_dict(scenario["config"])
         COUNTS.clear(), CALLS.clear(), DS_IN_STEP.clear(), DS_CALLS.clear()
@@ -231,9 +224,9 @@ def worker(spec_path: pathlib.Path) -> None:
             pretrain.run(cfg, [], keep_process_group=True)
         except Exception:
             error = traceback.format_exc()
-            print(f"{scenario['name']} failed on rank {rank}:\n{error}", file=sys.stderr, flush=True)
+            print(f"{scenario['name']} failed on rank {me}:\n{error}", file=sys.stderr, flush=True)
         out = {
-            "rank": rank,
+            "rank": me,
             "wall_s": round(time.time() - started, 1),
             "error": error,
             "steps": STATE["steps"],
@@ -244,7 +237,7 @@ def worker(spec_path: pathlib.Path) -> None:
             "comms_logger": {n: {"bytes": b, "calls": DS_CALLS[n]} for n, b in DS_IN_STEP.items() if DS_CALLS[n]},
         }
         os.makedirs(cfg.log.run_dir, exist_ok=True)
-        (pathlib.Path(cfg.log.run_dir) / f"comms_rank{rank}.json").write_text(json.dumps(out, indent=1))
+        (pathlib.Path(cfg.log.run_dir) / f"comms_rank{me}.json").write_text(json.dumps(out, indent=1))
     engine.shutdown()
 
 
@@ -253,7 +246,7 @@ def worker(spec_path: pathlib.Path) -> None:
 
 def dimension_of(world: int, tp: int, pp: int):
     """Group ranks "0,1" -> the parallel dimension whose group it is: tp, pp, dp, model (tp x pp), world, or self."""
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(harness.REPO))
     from megagenome.parallel.state import group_ranks
 
     kinds = group_ranks(world, tp, pp)
@@ -285,8 +278,7 @@ def summarise(work: pathlib.Path, world: int, name: str, tp: int, pp: int) -> di
     memory = json.loads((run / "memory.json").read_text())
     row["param_bytes_per_rank"] = [r["params"] for r in memory["ranks"]]
     row["activation_bytes_per_rank"] = [r["peak_activation_bytes"] for r in ranks]
-    train = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in train if "split" not in r]
+    train, _ = harness.run_rows(run)
     row["global_batch_sequences"] = MICRO * accum * dp
     tokens_per_step = row["global_batch_sequences"] * 512
     row["tokens_per_s"] = [r["tokens_per_s"] for r in train]
@@ -297,15 +289,8 @@ def summarise(work: pathlib.Path, world: int, name: str, tp: int, pp: int) -> di
     for r in ranks:
         steps = max(r["steps"], 1)
         for c in r["torch_dist"]:
-            comms.append(
-                {
-                    "rank": r["rank"],
-                    **c,
-                    "dimension": dimension(c["group"], c["op"]),
-                    "bytes_per_step": c["bytes"] / steps,
-                }
-            )
-            comms[-1]["calls_per_step"] = c["calls"] / steps
+            per_step = {"dimension": dimension(c["group"], c["op"]), "bytes_per_step": c["bytes"] / steps}
+            comms.append({"rank": r["rank"], **c, **per_step, "calls_per_step": c["calls"] / steps})
     row["torch_dist_per_step"] = sorted(comms, key=lambda c: (c["rank"], -c["bytes"]))
     row["by_dimension"] = {}  # dimension -> MiB per step per rank (mean over ranks), from torch.distributed
     for c in comms:
@@ -331,17 +316,11 @@ def mib(values) -> str:
 
 
 def write_results(rows: list[dict], meta: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "parallel_sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    base = {r["world"]: r for r in rows if r["tp"] == r["pp"] == 1 and not r.get("error")}
-    dims = sorted({d for r in rows for d in r.get("by_dimension") or {}})
+    harness.write_json(harness.RESULTS / "parallel_sweep.json", {"meta": meta, "rows": rows})
     lines = [
         "# Parallel sweep: tensor and pipeline parallelism on 2 and 4 CPU ranks",
         "",
-        f"- date: {meta['date']}",
-        f"- command: `{meta['command']}`",
-        f"- hardware: {meta['hardware']}",
-        f"- software: {meta['software']}",
+        *harness.header(meta),
         f"- setup: d_model 256, 4 layers, 4 heads, seq_len 512, fp32, ZeRO-0 (ds_configs/zero0.json + comms_logger), "
         f"micro batch {MICRO}, global batch 4 sequences on 2 ranks and 8 on 4 ranks (gradient accumulation makes up "
         f"the rest), phiX174, {meta['steps']} steps, gloo; launches: "
@@ -357,6 +336,26 @@ def write_results(rows: list[dict], meta: dict) -> None:
         "the logger counts the input slice and the count the gathered output. The 4-rank launch runs 2 ranks per "
         "core.",
         "",
+        *cell_table(rows),
+        *communication_tables(rows),
+        "",
+        "Notes:",
+        "",
+        "- Activations: tensor parallelism without sequence parallelism splits only what lies inside the attention "
+        "and MLP (heads, d_ff); the block inputs, norms and residual stream stay replicated on every tensor rank, "
+        "so tp=2 keeps well over half the dense run's bytes. Under pp=2 the first stage holds more than the last: "
+        "DeepSpeed's 1F1B schedule keeps up to (stages - stage index) micro batches in flight per stage.",
+        "- send/recv calls per step need not be whole numbers: the counts are totals over all steps / steps.",
+        "- pipeline stages send activations (and receive gradients) once per micro batch; under tp x pp DeepSpeed "
+        "sends each tensor rank a 1/tp slice and all-gathers it over the tensor group on arrival.",
+    ]
+    harness.write_text(harness.RESULTS / "parallel_sweep.md", "\n".join(lines) + "\n")
+
+
+def cell_table(rows: list[dict]) -> list[str]:
+    """One line per cell: its bytes per rank, step time (and ratio to its launch's tp1_pp1) and communication."""
+    base = {r["world"]: r for r in rows if r["tp"] == r["pp"] == 1 and not r.get("error")}
+    lines = [
         "| cell | ranks | tp | pp | dp | accum | param MiB/rank | activation MiB/rank | step s | ratio vs tp1_pp1 "
         "| comm MiB/step/rank (comms logger) | comm MiB/step/rank (torch.distributed) | error |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -372,13 +371,31 @@ def write_results(rows: list[dict], meta: dict) -> None:
             f"{mib(r['param_bytes_per_rank'])} | {mib(r['activation_bytes_per_rank'])} | {r['step_s']:.3f} | {ratio} | "
             f"{mib(r['comms_logger_bytes_per_step_per_rank'])} | {mib(r['torch_dist_bytes_per_step_per_rank'])} | |"
         )
-    lines += ["", "## Communication per training step by parallel dimension (MiB per rank, mean over ranks)", ""]
-    lines += ["| cell | " + " | ".join(dims) + " |", "|---|" + "---|" * len(dims)]
-    for r in rows:
-        if r.get("by_dimension"):
-            cells = [f"{r['by_dimension'].get(d, 0.0) / 2**20:.3f}" for d in dims]
-            lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
-    lines += [
+    return lines
+
+
+def communication_tables(rows: list[dict]) -> list[str]:
+    """Communication per step by parallel dimension, the comms logger's per op, and torch.distributed's by caller."""
+    dims = sorted({d for r in rows for d in r.get("by_dimension") or {}})
+    by_dim = [[r["cell"], *(f"{r['by_dimension'].get(d, 0.0) / 2**20:.3f}" for d in dims)] for r in rows]
+    logger = [
+        [r["cell"], v["rank"], v["op"], f"{v['calls']:.1f}", f"{v['bytes'] / 2**20:.3f}"]
+        for r in rows
+        for v in r.get("comms_logger_per_step") or []
+    ]
+    calls = [
+        [r["cell"], c["rank"], c["dimension"], c["op"], c["group"], c["caller"], f"{c['calls_per_step']:.1f}"]
+        + [f"{c['bytes_per_step'] / 2**20:.3f}"]
+        for r in rows
+        for c in r.get("torch_dist_per_step") or []
+    ]
+    return [
+        "",
+        "## Communication per training step by parallel dimension (MiB per rank, mean over ranks)",
+        "",
+        "| cell | " + " | ".join(dims) + " |",
+        "|---|" + "---|" * len(dims),
+        *("| " + " | ".join(row) + " |" for row, r in zip(by_dim, rows) if r.get("by_dimension")),
         "",
         "Dimensions: tp, pp, dp are the groups of ParallelState (send/recv between stages count as pp, though "
         "DeepSpeed issues them on the global group); model is tp x pp (DeepSpeed's gradient-norm group under "
@@ -387,32 +404,12 @@ def write_results(rows: list[dict], meta: dict) -> None:
         "",
         "## DeepSpeed comms logger per training step",
         "",
-        "| cell | rank | op | calls/step | MiB/step |",
-        "|---|---|---|---|---|",
+        *harness.table(["cell", "rank", "op", "calls/step", "MiB/step"], logger),
+        "",
+        "## torch.distributed collectives per training step by dimension, group and caller",
+        "",
+        *harness.table(["cell", "rank", "dimension", "op", "group ranks", "caller", "calls/step", "MiB/step"], calls),
     ]
-    for r in rows:
-        for v in r.get("comms_logger_per_step") or []:
-            lines.append(f"| {r['cell']} | {v['rank']} | {v['op']} | {v['calls']:.1f} | {v['bytes'] / 2**20:.3f} |")
-    lines += ["", "## torch.distributed collectives per training step by dimension, group and caller", ""]
-    lines += ["| cell | rank | dimension | op | group ranks | caller | calls/step | MiB/step |"]
-    lines += ["|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        for c in r.get("torch_dist_per_step") or []:
-            lines.append(
-                f"| {r['cell']} | {c['rank']} | {c['dimension']} | {c['op']} | {c['group']} | {c['caller']} | "
-                f"{c['calls_per_step']:.1f} | {c['bytes_per_step'] / 2**20:.3f} |"
-            )
-    lines += ["", "Notes:", ""]
-    lines += [
-        "- Activations: tensor parallelism without sequence parallelism splits only what lies inside the attention "
-        "and MLP (heads, d_ff); the block inputs, norms and residual stream stay replicated on every tensor rank, "
-        "so tp=2 keeps well over half the dense run's bytes. Under pp=2 the first stage holds more than the last: "
-        "DeepSpeed's 1F1B schedule keeps up to (stages - stage index) micro batches in flight per stage.",
-        "- send/recv calls per step need not be whole numbers: the counts are totals over all steps / steps.",
-        "- pipeline stages send activations (and receive gradients) once per micro batch; under tp x pp DeepSpeed "
-        "sends each tensor rank a 1/tp slice and all-gathers it over the tensor group on arrival.",
-    ]
-    (RESULTS / "parallel_sweep.md").write_text("\n".join(lines) + "\n")
 
 
 def launch(work: pathlib.Path, world: int, steps: int) -> dict:
@@ -422,40 +419,33 @@ def launch(work: pathlib.Path, world: int, steps: int) -> dict:
     ]
     spec = work / f"spec_w{world}.json"
     spec.write_text(json.dumps({"scenarios": scenarios}))
-    bin_dir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(world), __file__, "--worker", str(spec)]
-    started = time.time()
-    with open(work / f"worker_w{world}.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+    started, env = time.time(), harness.child_env(OMP_NUM_THREADS="1")
+    rc, _ = harness.launch_worker(__file__, world, spec, work / f"worker_w{world}.log", LAUNCH_TIMEOUT_S, env=env)
     return {"wall_s": time.time() - started, "rc": rc}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, worker=True)
     ap.add_argument("--steps", type=int, default=6, help="training steps per cell")
-    ap.add_argument("--worker", type=pathlib.Path, help=argparse.SUPPRESS)  # the launched ranks: the spec file
-    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # appended by the deepspeed launcher
     args = ap.parse_args()
     if args.worker:
         worker(args.worker)
         return
-    work = pathlib.Path(tempfile.mkdtemp(prefix="mg-parallel-sweep-"))
-    shutil.copy(FASTA, work / FASTA.name)
+    work = harness.work_dir("mg-parallel-sweep-")
+    harness.copy_input(FASTA, work)
     (work / "comms_logger.json").write_text(json.dumps(COMMS_FRAGMENT))
     launches = {world: launch(work, world, args.steps) for world in LAUNCHES}
     rows = [summarise(work, world, *cell) for world, (_, cells) in LAUNCHES.items() for cell in cells]
     meta = {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
-        "hardware": hardware(),
-        "software": software(),
+        "date": harness.today(),
+        "command": harness.command("parallel_sweep.py", harness.argv_of(None)),
+        "hardware": harness.hardware(),
+        "software": harness.software(),
         "steps": args.steps,
         "launches": launches,
     }
     write_results(rows, meta)
-    print(f"wrote {RESULTS}/parallel_sweep.{{md,json}} (launches {launches}, work dir {work})")
+    print(f"wrote {harness.RESULTS}/parallel_sweep.{{md,json}} (launches {launches}, work dir {work})")
 
 
 if __name__ == "__main__":

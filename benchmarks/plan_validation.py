@@ -19,24 +19,17 @@ Writes plan_validation.json and plan_validation_tables.md (all of it) in --resul
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import pathlib
 import shlex
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
-from hardware import hardware, run_in_session, software  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+import harness
+from plan_validation_megatron import data_parallel_steps, megatron_md, megatron_rows
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-FASTA = REPO / "tests" / "data" / "phiX174_NC_001422.1.fna"
+REPO = harness.REPO
 N = 2
 MODEL = {"d_model": 256, "n_layer": 4, "n_head": 4, "max_seq_len": 128}  # tests/test_plan.py's MODEL
 PRECISIONS = [  # name, precision fragment (None: none; bf16_only: {"bf16": {"enabled": true}}), weights, accumulation
@@ -56,10 +49,6 @@ SCENARIOS.update(
 )
 B, T, D, HEADS, LAYERS, K = 2, 64, 64, 4, 4, 2  # (b): the shape of tests/test_activation_checkpointing.py
 PLAN_ARGS = ["plan", "--config", "configs/dna_125m.yaml", "--gpus", "8", "--gpu_memory_gb", "80", "--gpu", "H100"]
-# (d) Table 1: hidden size, attention heads, layers, model-parallel GPUs; Figure 5: weak-scaling efficiency at tp
-# GPUs (model parallel) and at 64 x tp GPUs (model + data parallel), against the 1.2B model on 1 GPU.
-MEGATRON = [(1536, 16, 40, 1, 1.00, 0.96), (1920, 20, 54, 2, 0.95, 0.83), (2304, 24, 64, 4, 0.82, 0.79)]
-MEGATRON.append((3072, 32, 72, 8, 0.77, 0.74))
 MEASURE_TIMEOUT_S = 900
 
 
@@ -76,8 +65,15 @@ def shape(model: dict):
 def predicted(name: str, rank: int) -> dict[str, float]:
     """The planner's bytes of each model state and of the buffers on `rank` of scenario `name` (as tests/test_plan.py
     predicts them)."""
-    from megagenome.planner.activations import gradient_buffer_elements, n_params, param_groups, persistent_params
-    from megagenome.planner.states import STATES, Precision, model_states, resident_buffers
+    from megagenome.model.transformer.costs import n_params, param_groups
+    from megagenome.planner.states import (
+        STATES,
+        Precision,
+        gradient_buffer_elements,
+        model_states,
+        persistent_params,
+        resident_buffers,
+    )
 
     zero_file, _, weights, accum, offload = SCENARIOS[name]
     zero = json.loads((REPO / "ds_configs" / zero_file).read_text())["zero_optimization"]
@@ -91,18 +87,12 @@ def predicted(name: str, rank: int) -> dict[str, float]:
     return {**{k: states[k].total for k in STATES}, "buffers": buffers.total}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(work: pathlib.Path, fasta: str, name: str) -> dict:
     """A 2-step run of the scenario's model and DeepSpeed fragments on phiX174 (tests/helpers.py's tiny run)."""
     zero_file, frag, *_ = SCENARIOS[name]
     files = [str(REPO / "ds_configs" / zero_file)]
     if frag == "bf16_only":
-        files.append(str(work / "bf16_only.json"))
+        files.append(str(work / harness.BF16_ONLY))
     elif frag:
         files.append(str(REPO / "ds_configs" / frag))
     return {
@@ -120,20 +110,17 @@ def measure(names: list[str], work: pathlib.Path) -> dict[str, dict]:
     wall time."""
     import yaml
 
-    (work / "genome").mkdir(parents=True, exist_ok=True)
-    fasta = str(shutil.copy(FASTA, work / "genome" / FASTA.name))  # pyfaidx indexes beside the FASTA
-    (work / "bf16_only.json").write_text(json.dumps({"bf16": {"enabled": True}}))
-    bin_dir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    fasta = str(harness.copy_input(harness.PHIX, work / "genome"))  # pyfaidx indexes beside the FASTA
+    harness.write_bf16_only(work)
+    env = harness.child_env(OMP_NUM_THREADS="1")
     out = {}
     for name in names:
         config = work / f"{name}.yaml"
         config.write_text(yaml.safe_dump(run_config(work, fasta, name), sort_keys=False))
-        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(N), "--master_port", str(free_port())]
-        cmd += ["--module", "megagenome", "pretrain", "--config", str(config)]
+        target = ["--module", "megagenome", "pretrain", "--config", config]
+        cmd = harness.deepspeed_cmd(N, *target, port=harness.free_port())
         started = time.time()
-        rc = run_in_session(cmd, REPO, env, work / f"{name}.log", MEASURE_TIMEOUT_S)
+        rc, _ = harness.run_session(cmd, work / f"{name}.log", MEASURE_TIMEOUT_S, env=env)
         path = work / name / "memory.json"
         memory = json.loads(path.read_text()) if path.exists() else None
         out[name] = {
@@ -168,7 +155,7 @@ def model_state_rows(measured: dict[str, dict]) -> list[dict]:
 def paper_rows(rows: list[dict]) -> list[dict]:
     """Model states per rank (rank 1, bytes/Ψ) by stage and precision, as the planner predicts them, beside the ZeRO
     paper's formula for mixed-precision Adam."""
-    from megagenome.planner.activations import n_params
+    from megagenome.model.transformer.costs import n_params
     from megagenome.planner.states import STATES, paper_bytes
 
     psi = n_params(shape(MODEL))
@@ -191,8 +178,8 @@ def activation_rows() -> list[dict]:
 
     from megagenome.config import ModelConfig
     from megagenome.data.tokenizer import VOCAB_SIZE
-    from megagenome.model import DNATransformer
-    from megagenome.planner.activations import activation_bytes
+    from megagenome.model.transformer import DNATransformer
+    from megagenome.model.transformer.costs import activation_bytes
 
     sys.path.insert(0, str(REPO / "tests"))
     from support.saved import saved_bytes  # the measurement the activation-checkpointing tests make
@@ -230,7 +217,7 @@ def activation_rows() -> list[dict]:
 def window_view_figures() -> dict[str, int]:
     """The formula plus 8·B bytes for input ids that are a view of (B, T + 1) windows (fp32, dropout 0.1): what
     tests/test_activation_checkpointing.py's batches hold."""
-    from megagenome.planner.activations import activation_bytes
+    from megagenome.model.transformer.costs import activation_bytes
 
     s = shape({"d_model": D, "n_layer": LAYERS, "n_head": HEADS, "max_seq_len": T, "dropout": 0.1})
     kw = {"act_bytes": 4, "every": K, "kernel": "math", "math_bytes": 4, "mask_bytes": 4}
@@ -249,87 +236,32 @@ def plan_example() -> dict:
     }
 
 
-# ----- (d) Megatron-LM weak scaling --------------------------------------------------------------------------------
-
-
-def megatron_setup(hidden: int, heads: int, layers: int, tp: int):
-    """GPT shapes of Table 1 with d_ff = 8d/3 (12d² parameters per layer), fp16, 16 V100 per node, 150 GB/s in a
-    node (one direction of NVSwitch's 300), 100 GB/s across, MFU calibrated on the published 1-GPU rate (39 of 125
-    TFLOP/s, hardware FLOPs with full recomputation)."""
-    from megagenome.planner.activations import ModelShape
-    from megagenome.planner.choose import Setup
-    from megagenome.planner.states import Precision
-    from megagenome.planner.timing import Cluster
-
-    # Every attention score counted (causal=False), as the calibration's FLOP rate was: Narayanan et al. 2021.
-    s = ModelShape(hidden, layers, heads, 8 * hidden // 3, 51200, 51200, True, 1024, 0.1, causal=False)
-    cluster = Cluster(
-        gpus=tp, gpus_per_node=16, gpu_memory_gb=32, gpu="V100", intra_node_gbps=150, inter_node_gbps=100, mfu=0.312
-    )
-    return Setup(s, 1024, 8, Precision("fp16", "fp16"), cluster, 125.0, tp=tp)
-
-
-def megatron_rows() -> list[dict]:
-    """Per Table 1 configuration, at tp GPUs and 64 x tp GPUs: published and predicted efficiency (per-GPU training
-    FLOP rate over the 1.2B model's on 1 GPU; stage 0, fp16 gradients all-reduced after backward, full
-    recomputation)."""
-    from megagenome.observe.metrics import flops_per_token
-    from megagenome.planner.activations import n_params, recompute_flops_per_token
-    from megagenome.planner.choose import Candidate, evaluate
-
-    rows, base = [], None
-    for hidden, heads, layers, tp, model_only, model_data in MEGATRON:
-        setup = megatron_setup(hidden, heads, layers, tp)
-        s, cand = setup.shape, Candidate(0, False, "full", 8)
-        per_token = flops_per_token(n_params(s), layers, hidden, 1024, causal=False) + recompute_flops_per_token(
-            s, 1024, "full"
-        )
-        small, large = evaluate(setup, cand), evaluate(setup, cand, gpus=64 * tp)
-        base = base or 8 * 1024 * per_token / small["step_s"]
-        for row, published in ((small, model_only), (large, model_data)):
-            rate = 8 * 1024 * per_token / tp / row["step_s"]
-            rows.append({"params": n_params(s), "tp": tp, "gpus": row["gpus"], "published": published})
-            rows[-1] |= {"predicted": rate / base, "step_s": row["step_s"], "tensor_comm_s": row["tensor_comm_s"]}
-            rows[-1]["dp_comm_s"] = row["dp_comm_s"]
-    return rows
-
-
-def data_parallel_steps(rows: list[dict]) -> list[dict]:
-    """The x 64 data-parallel step alone: published (model+data)/(model) against the planner's t(tp) / t(64 tp)."""
-    out = []
-    for small, large in zip(rows[::2], rows[1::2]):
-        published, predicted_eff = large["published"] / small["published"], small["step_s"] / large["step_s"]
-        out.append({"tp": small["tp"], "gpus": [small["gpus"], large["gpus"]], "published": published})
-        out[-1] |= {"predicted": predicted_eff, "difference": predicted_eff - published}
-    return out
-
-
 # ----- results -----------------------------------------------------------------------------------------------------
 
 
 def write_results(result: dict, results: pathlib.Path) -> None:
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "plan_validation.json").write_text(json.dumps(result, indent=1) + "\n")
-    (results / "plan_validation_tables.md").write_text(markdown(result))
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.3f}" if value else "0"
+    harness.write_json(results / "plan_validation.json", result)
+    harness.write_text(results / "plan_validation_tables.md", markdown(result))
 
 
 def markdown(r: dict) -> str:
-    meta, a = r["meta"], r["model_states"]
-    measured = any(row["measured"] for row in a["rows"])
     lines = [
         "# `megagenome plan` validation: the generated tables",
         "",
         "Written entirely by benchmarks/plan_validation.py; plan_validation.md is the hand-written analysis of them.",
         "",
-        f"- date: {meta['date']}",
-        f"- command: `{meta['command']}`",
-        f"- hardware: {meta['hardware']}",
-        f"- software: {meta['software']}",
+        *harness.header(r["meta"]),
         "",
+    ]
+    lines += model_states_md(r) + activations_md(r) + cli_md(r) + megatron_md(r)
+    return "\n".join(lines)
+
+
+def model_states_md(r: dict) -> list[str]:
+    """(a): predicted (and measured) model states per rank and scenario, and the paper's formula beside them."""
+    a = r["model_states"]
+    measured = any(row["measured"] for row in a["rows"])
+    lines = [
         "## (a) Model states per rank, ZeRO 0-3, 2 ranks",
         "",
         f"d_model {MODEL['d_model']}, {MODEL['n_layer']} layers, {MODEL['n_head']} heads, Ψ = {a['parameters']:,} "
@@ -387,8 +319,13 @@ def markdown(r: dict) -> str:
     for p in r["paper_vs_planner"]:
         cols = [f"{p[k]:.2f}" if p[k] is not None else "refused" for k in ("bf16", "bf16acc32", "fp32")]
         lines.append(f"| {p['stage']} | {p['paper']:.2f} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def activations_md(r: dict) -> list[str]:
+    """(b): the activation formula against the saved tensor bytes."""
     b = r["activations"]
-    lines += [
+    lines = [
         "",
         "## (b) Activations: the formula against saved tensor bytes",
         "",
@@ -415,6 +352,13 @@ def markdown(r: dict) -> str:
         f"Equal in {equal} of {len(b['rows'])} cases. With input ids that are a view of (B, T + 1) windows (8·B bytes "
         f"more; fp32, dropout 0.1) the formula gives none {w['none']:,} and full {w['full']:,} bytes.",
         "",
+    ]
+    return lines
+
+
+def cli_md(r: dict) -> list[str]:
+    """(c): the output of `megagenome plan` for the 125M config."""
+    lines = [
         "## (c) The CLI",
         "",
         f"`{r['plan_example']['command']}` (exit code {r['plan_example']['rc']}):",
@@ -423,59 +367,26 @@ def markdown(r: dict) -> str:
         r["plan_example"]["stdout"].rstrip("\n"),
         "```",
         "",
-        "## (d) Megatron-LM weak scaling (Shoeybi et al. 2019, arXiv:1909.08053v4, Table 1, Figure 5)",
-        "",
-        "Published: Figure 5's efficiency against the 1.2B model on 1 GPU. Predicted: the planner's per-GPU training "
-        "FLOP rate over that baseline (Table 1 shapes, d_ff = 8d/3, fp16, stage 0, full recomputation, 16 GPUs per "
-        "node, 150 GB/s in a node, 100 GB/s across, 5 µs latency, MFU 0.312 = 39/125 TFLOP/s).",
-        "",
-        "| params | tensor parallel | GPUs | published | predicted | step s | tensor-parallel all-reduces s "
-        "| gradient all-reduce s |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    d = r["megatron"]
-    for x in d["rows"]:
-        lines.append(
-            f"| {x['params'] / 1e9:.1f}B | {x['tp']} | {x['gpus']} | {x['published']:.0%} | {x['predicted']:.1%} | "
-            f"{x['step_s']:.3f} | {_seconds(x['tensor_comm_s'])} | {_seconds(x['dp_comm_s'])} |"
-        )
-    lines += [
-        "",
-        "The data-parallel step alone: published (model+data)/(model) against the planner's t(tp GPUs)/t(64·tp GPUs):",
-        "",
-        "| tensor parallel | GPUs | published | predicted | difference |",
-        "|---|---|---|---|---|",
-    ]
-    for x in d["data_parallel"]:
-        lines.append(
-            f"| {x['tp']} | {x['gpus'][0]} -> {x['gpus'][1]} | {x['published']:.3f} | {x['predicted']:.3f} | "
-            f"{x['difference']:+.3f} |"
-        )
-    far = d["largest_distance"]
-    lines += [
-        "",
-        f"Largest distance from a published value over both tables: {far['distance']:.3f} ({far['where']}).",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    argv = harness.argv_of(argv)
+    ap = harness.parser(__doc__)
     ap.add_argument("--measure", action="store_true", help="(a): launch the 2-rank runs and read their memory.json")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="scenarios --measure launches (comma-separated)")
-    ap.add_argument("--results_dir", type=pathlib.Path, default=RESULTS, help="where the results files go")
+    ap.add_argument("--results_dir", type=pathlib.Path, default=harness.RESULTS, help="where the results files go")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"--scenarios: {', '.join(unknown)} not in {', '.join(SCENARIOS)}")
-    from megagenome.planner.activations import n_params
+    from megagenome.model.transformer.costs import n_params
 
     launches = {}
     if args.measure:
-        work = pathlib.Path(tempfile.mkdtemp(prefix="mg-plan-validation-"))
+        work = harness.work_dir("mg-plan-validation-")
         launches = measure(names, work)
         print(f"work dir {work}")
     rows = model_state_rows(launches)
@@ -488,10 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     far = max(distances)
     result = {
         "meta": {
-            "date": datetime.date.today().isoformat(),
-            "command": shlex.join(["python", "benchmarks/plan_validation.py", *argv]),
-            "hardware": hardware(),
-            "software": software(),
+            "date": harness.today(),
+            "command": harness.command("plan_validation.py", argv),
+            "hardware": harness.hardware(),
+            "software": harness.software(),
         },
         "model_states": {
             "model": MODEL,

@@ -13,45 +13,33 @@ Writes benchmarks/results/pretrain_cpu.{json,md} with the date, the hardware and
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import pathlib
 import shutil
 import statistics
 import subprocess
-import sys
-import tempfile
 
-from hardware import cpu_name  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+import harness
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+SHAPES = {
+    "tiny (configs/tiny.yaml)": [],
+    "~20M (d_model 512, 6 layers, 8 heads)": ["--model.d_model", "512", "--model.n_layer", "6", "--model.n_head", "8"]
+    + ["--train.micro_batch_size", "2"],
+}
+SPEED_RUN = ["--train.max_steps", "12", "--train.warmup_steps", "2", "--train.log_interval", "3"]
+SPEED_RUN += ["--train.eval_interval", "0", "--data.eval_windows", "2"]
 
 
 def launch(nproc: int, run_dir: pathlib.Path, *overrides: str) -> None:
-    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    cmd = [
-        "bash",
-        str(REPO / "launch" / "local.sh"),
-        "--config",
-        str(REPO / "configs" / "tiny.yaml"),
-        "--log.run_dir",
-        str(run_dir),
-        "--log.progress",
-        "false",
-        "--checkpoint.resume",
-        "none",
-        *overrides,
-    ]
-    env["NPROC"] = str(nproc)
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+    cmd = ["bash", str(harness.REPO / "launch" / "local.sh"), "--config", str(harness.REPO / "configs" / "tiny.yaml")]
+    cmd += ["--log.run_dir", str(run_dir), "--log.progress", "false", "--checkpoint.resume", "none", *overrides]
+    subprocess.run(
+        cmd, cwd=harness.REPO, env=harness.child_env(NPROC=str(nproc)), check=True, stdout=subprocess.DEVNULL
+    )
 
 
 def rows(run_dir: pathlib.Path) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return harness.read_jsonl(run_dir / "metrics.jsonl")
 
 
 def throughput(run_dir: pathlib.Path) -> float:
@@ -65,86 +53,68 @@ def tokens_per_step(run_dir: pathlib.Path) -> int:
     return last["tokens"] // last["step"]
 
 
+def speed(nproc: int, work: pathlib.Path) -> dict:
+    """Tokens/s of every shape: a 12-step run each, logged every 3 steps."""
+    out = {}
+    for name, extra in SHAPES.items():
+        run_dir = work / f"speed{len(out)}"
+        launch(nproc, run_dir, *SPEED_RUN, *extra)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        out[name] = {
+            "parameters": summary["parameters"],
+            "tokens_per_s": throughput(run_dir),
+            "tokens_per_step": tokens_per_step(run_dir),
+        }
+    return out
+
+
+def full_run(nproc: int, steps: int, eval_every: int, full: pathlib.Path) -> dict:
+    """The full tiny run, evaluated every eval_every steps: its curve and the first eval below each baseline."""
+    launch(
+        nproc,
+        full,
+        "--train.max_steps",
+        str(steps),
+        "--train.eval_interval",
+        str(eval_every),
+        "--checkpoint.interval",
+        "0",
+    )
+    summary = json.loads((full / "summary.json").read_text())
+    evals = [r for r in rows(full) if r.get("split") == "val"]
+    beat = {}
+    for k, bits in summary["markov_bits_per_base"].items():
+        first = next((r["step"] for r in evals if r["bits_per_base"] < bits), None)
+        beat[k] = {"markov_bits_per_base": bits, "first_eval_step_below": first}
+    return {
+        "steps": steps,
+        "eval_every": eval_every,
+        "wall_s": summary["wall_s"],
+        "final_heldout_bits_per_base": summary["heldout_bits_per_base"],
+        "eval_curve": [(r["step"], r["bits_per_base"]) for r in evals],
+        "steps_to_beat_markov": beat,
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--nproc", type=int, default=2, help="CPU ranks")
     ap.add_argument("--tiny_steps", type=int, default=600, help="steps of the full tiny run (configs/tiny.yaml: 600)")
     ap.add_argument("--eval_every", type=int, default=50, help="evaluation interval of the full tiny run")
     args = ap.parse_args()
-    work = pathlib.Path(tempfile.mkdtemp(prefix="mg-bench-"))
+    work = harness.work_dir("mg-bench-")
     try:
-        shapes = {
-            "tiny (configs/tiny.yaml)": [],
-            "~20M (d_model 512, 6 layers, 8 heads)": [
-                "--model.d_model",
-                "512",
-                "--model.n_layer",
-                "6",
-                "--model.n_head",
-                "8",
-                "--train.micro_batch_size",
-                "2",
-            ],
-        }
-        speed = {}
-        for name, extra in shapes.items():
-            run_dir = work / f"speed{len(speed)}"
-            launch(
-                args.nproc,
-                run_dir,
-                "--train.max_steps",
-                "12",
-                "--train.warmup_steps",
-                "2",
-                "--train.log_interval",
-                "3",
-                "--train.eval_interval",
-                "0",
-                "--data.eval_windows",
-                "2",
-                *extra,
-            )
-            summary = json.loads((run_dir / "summary.json").read_text())
-            speed[name] = {
-                "parameters": summary["parameters"],
-                "tokens_per_s": throughput(run_dir),
-                "tokens_per_step": tokens_per_step(run_dir),
-            }
-        full = work / "full"
-        launch(
-            args.nproc,
-            full,
-            "--train.max_steps",
-            str(args.tiny_steps),
-            "--train.eval_interval",
-            str(args.eval_every),
-            "--checkpoint.interval",
-            "0",
-        )
-        summary = json.loads((full / "summary.json").read_text())
-        evals = [r for r in rows(full) if r.get("split") == "val"]
-        beat = {}
-        for k, bits in summary["markov_bits_per_base"].items():
-            first = next((r["step"] for r in evals if r["bits_per_base"] < bits), None)
-            beat[k] = {"markov_bits_per_base": bits, "first_eval_step_below": first}
+        throughput_rows = speed(args.nproc, work)
+        full = full_run(args.nproc, args.tiny_steps, args.eval_every, work / "full")
         result = {
-            "date": datetime.date.today().isoformat(),
-            "hardware": f"{cpu_name()}, {os.cpu_count()} cores, no GPU",
+            "date": harness.today(),
+            "hardware": f"{harness.cpu()}, no GPU",
             "ranks": args.nproc,
-            "command": "python benchmarks/pretrain_cpu.py " + " ".join(sys.argv[1:]),
-            "throughput": speed,
-            "tiny_full_run": {
-                "steps": args.tiny_steps,
-                "eval_every": args.eval_every,
-                "wall_s": summary["wall_s"],
-                "final_heldout_bits_per_base": summary["heldout_bits_per_base"],
-                "eval_curve": [(r["step"], r["bits_per_base"]) for r in evals],
-                "steps_to_beat_markov": beat,
-            },
+            "command": harness.command("pretrain_cpu.py", harness.argv_of(None)),
+            "throughput": throughput_rows,
+            "tiny_full_run": full,
         }
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "pretrain_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "pretrain_cpu.md").write_text(markdown(result))
+        harness.write_results(harness.RESULTS, "pretrain_cpu", result, markdown(result), indent=2)
         print(markdown(result))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -20,6 +20,7 @@ from support.helpers import DATA, REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import fused_paths  # noqa: E402
+import harness  # noqa: E402
 import peers  # noqa: E402
 import sweep  # noqa: E402
 
@@ -96,7 +97,7 @@ def test_grid_and_configs(tmp_path):
     fasta = DATA / "phiX174_NC_001422.1.fna"
     by_name = {c["cell"]: c for c in cells}
     z0 = sweep.cell_config(by_name["tiny_s512_z0_none_m1_tp1_pp1_w2"], tmp_path / "a", tmp_path, fasta, args)
-    assert z0["train"]["ds_config"] == [str(REPO / "ds_configs" / "zero0.json"), str(tmp_path / sweep.BF16_ONLY)]
+    assert z0["train"]["ds_config"] == [str(REPO / "ds_configs" / "zero0.json"), str(tmp_path / harness.BF16_ONLY)]
     z3 = sweep.cell_config(by_name["d64l2h2_s512_z3_full_m1_tp1_pp2_w2"], tmp_path / "b", tmp_path, fasta, args)
     assert z3["train"]["ds_config"][-1] == str(REPO / "ds_configs" / "bf16.json")
     # pipeline stages recompute through the pipeline engine's interval, not --model.checkpointing
@@ -125,9 +126,9 @@ def test_peers_interleaved_expected():
     """The shared a / a_fit engine's forwards: a_fit's warm-up batch, then each round's a and a_fit blocks in the
     rotated order [a, a_fit, b], [a_fit, b, a], [b, a, a_fit], ... (b runs on its own engine)."""
     expected = list(range(20))
-    out = peers._interleaved_expected(expected, 2, 2, 3, 1)
+    out = peers.interleaved_expected(expected, 2, 2, 3, 1)
     assert out == [0] + [2, 3] + [1, 2] + [3, 4] + [4, 5] + [6, 7] + [5, 6]
-    assert peers._interleaved_expected(expected, 1, 1, 1, 2) == [0, 1] + [2, 3] + [2, 3]
+    assert peers.interleaved_expected(expected, 1, 1, 1, 2) == [0, 1] + [2, 3] + [2, 3]
 
 
 def test_peers_figures_and_verdicts():
@@ -140,10 +141,10 @@ def test_peers_figures_and_verdicts():
     assert f["seconds_per_step_median"]["a"] == 1.0 and f["tokens_per_s_median"]["a"] == 100.0
     assert f["paired_ratios"]["a_over_b"] == pytest.approx([1.0, 2.2, 0.5])
     assert f["targets"]["a_over_b"]["median_paired_ratio"] == pytest.approx(1.0)
-    assert peers.verdict(0.95, 1.02, "<=", 1.03) == "met"
-    assert peers.verdict(1.04, 1.2, "<=", 1.03) == "not met"
-    assert peers.verdict(0.9, 1.1, "<", 1.0).startswith("not resolved")
-    assert peers.quartiles([2.0]) == (2.0, 2.0, 2.0)
+    assert harness.verdict(0.95, 1.02, "<=", 1.03) == "met"
+    assert harness.verdict(1.04, 1.2, "<=", 1.03) == "not met"
+    assert harness.verdict(0.9, 1.1, "<", 1.0).startswith("not resolved")
+    assert harness.quartiles([2.0]) == (2.0, 2.0, 2.0)
 
 
 def test_peers_llama_matches_megagenome_shape():
@@ -152,7 +153,7 @@ def test_peers_llama_matches_megagenome_shape():
 
     from megagenome.config import ModelConfig, RootConfig
     from megagenome.data.tokenizer import VOCAB_SIZE
-    from megagenome.model import DNATransformer
+    from megagenome.model.transformer import DNATransformer
 
     cfg = RootConfig(model=ModelConfig(d_model=64, n_layer=2, n_head=2, max_seq_len=128))
     ours = DNATransformer(cfg.model, VOCAB_SIZE)

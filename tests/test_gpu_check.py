@@ -18,7 +18,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_check_cells as cells  # noqa: E402
 
-from megagenome.observe.metrics import flops_per_token, gpu_peak  # noqa: E402
+from megagenome.model.transformer.flops import flops_per_token
+from megagenome.observe.metrics import gpu_peak  # noqa: E402
 
 H200 = 150_000_000_000  # bytes torch reports for an H200 (~139.7 GiB)
 H100 = 85_000_000_000  # an H100 80GB
