@@ -5,7 +5,7 @@
   ZeRO-2/3 offload), and the paper's formula next to them; with --measure also the bytes DeepSpeed holds, from the
   memory.json of a 2-step `megagenome pretrain` per scenario, each through the real `deepspeed` launcher on 2 CPU
   ranks (one launch per scenario: 17 x 20-30 s on 2 cores; --scenarios picks some);
-- (b) the per-layer activation formula (planner/activations.py) against the bytes autograd saves in one forward
+- (b) the per-layer activation formula (model/transformer/costs.py) against the bytes autograd saves in one forward
   pass (saved_tensors_hooks, distinct storages, parameters excluded), one process: B 2, T 64, d 64, 4 heads,
   4 layers, every_k with k 2, fp32 and bf16, dropout 0.1 (SDPA math kernel) and 0 (memory-efficient kernel);
 - (c) the output of `python -m megagenome plan --config configs/dna_125m.yaml --gpus 8 --gpu_memory_gb 80 --gpu H100`;

@@ -8,7 +8,7 @@ from support.helpers import REPO, copy_genome, tiny_config, write_yaml
 
 from megagenome import cli
 from megagenome.config import ConfigError
-from megagenome.config.load import config_files, root_config
+from megagenome.config.load import checked_run_config, config_files, root_config
 from megagenome.run.assembly import validate
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -62,6 +62,9 @@ def test_print_config_round_trips(command, capsys, tmp_path, monkeypatch):
     assert root_config(again[command]) == root_config(direct[command])
     given = {k: v for k, v in vars(direct[command]).items() if k not in ("config", "__path__")}
     assert {k: v for k, v in vars(again[command]).items() if k in given} == given
+    if command == "pretrain":  # the launch scripts' supervisor checks a pretrain command line with the same parser
+        problems, cfg, _ = checked_run_config(["--config", str(saved)])
+        assert not problems and cfg == root_config(direct[command])
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +356,8 @@ def test_a_mistyped_command_gets_a_did_you_mean(capsys):
     assert "unknown command 'pretrian'; did you mean pretrain?" in err
     assert cli.main(["score-variant"]) == 2
     assert "did you mean score-variants?" in capsys.readouterr().err
+    assert cli.main(["xyzzy"]) == 2  # nothing close: every command is named
+    assert "unknown command 'xyzzy' (the commands: pretrain, convert-checkpoint, prepare," in capsys.readouterr().err
 
 
 def test_every_command_is_listed_and_parses_its_help(capsys):

@@ -1,4 +1,4 @@
-"""`megagenome export` (after_training/export.py, hf_llama.py, quantize.py) and `--model.init_from`, on finished real
+"""`megagenome export` (after_training/export.py, weights.py, quantize.py) and `--model.init_from`, on finished real
 DeepSpeed runs (support/trained.py).
 
 - Hugging Face parity: the export of a ZeRO-3, a tensor-parallel 2 and a pipeline 2 run, loaded with
@@ -32,7 +32,7 @@ from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model.transformer import TRANSFORMER, DNATransformer
 from megagenome.observe.metrics import read_metrics
 from megagenome.parallel.tensor_parallel import merge_shards
-from megagenome.train.consolidate import checkpoint_tag
+from megagenome.train.consolidate import CheckpointError, checkpoint_tag
 
 pytestmark = pytest.mark.slow
 
@@ -136,13 +136,34 @@ def test_card_and_manifest(trained, exported):
     out = exported("dense")
     manifest = json.loads((out / "megagenome.json").read_text())
     run_dir = trained.run_dir("dense")
-    assert manifest["format_version"] == 1 and manifest["source"]["run_dir"] == str(run_dir)
+    assert manifest["format_version"] == 2 and manifest["source"]["run_dir"] == str(run_dir)
+    assert manifest["model"]["family"] == "transformer"  # version 2 names the family; version 1 exports still load
     assert ModelConfig(**manifest["model"]).d_model == 32
     logged = [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if r.get("split") == "val"][-1]
     assert manifest["source"]["heldout_bits_per_base"] == logged["bits_per_base"]
     card = (out / "README.md").read_text()
     assert f"step {manifest['source']['step']}" in card and f"{manifest['parameters']:,}" in card
     assert f"{logged['bits_per_base']:.4f}" in card
+
+
+def test_a_version_1_export_still_loads(exported, tmp_path):
+    """Exports written before the manifest named the model family (format version 1, no model.family) read back as
+    the transformer they are; a version this megagenome does not know is refused, naming both."""
+    import shutil
+
+    old = tmp_path / "v1"
+    shutil.copytree(exported("dense"), old)
+    manifest = json.loads((old / "megagenome.json").read_text())
+    manifest["format_version"] = 1
+    del manifest["model"]["family"]
+    (old / "megagenome.json").write_text(json.dumps(manifest))
+    cfg, state = read_export(str(old))
+    assert cfg.family == "transformer"
+    assert all(torch.equal(state[k], v) for k, v in read_export(str(exported("dense")))[1].items())
+    manifest["format_version"] = 3
+    (old / "megagenome.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="version 3, this megagenome reads megagenome-export versions 1 and 2"):
+        read_export(str(old))
 
 
 def test_refusals_exit_2_and_write_nothing(trained, tmp_path, capsys):

@@ -1,8 +1,8 @@
 """The fused paths of the model equal the eager formulas they replace (issue 14, part B).
 
 - torch's rms_norm equals the float32 RMSNorm formula the model had (kept below as the reference);
-- the rotary embedding applied once to the packed qkv (model/layers.py _RotaryQK) equals rotating q and k one by
-  one as before, forward and gradients, at a sequence-parallel offset and with tables cast from float32;
+- the rotary embedding applied once to the packed qkv (model/transformer/blocks.py _RotaryQK) equals rotating q and
+  k one by one as before, forward and gradients, at a sequence-parallel offset and with tables cast from float32;
 - a whole model with both equals the model with the old formulas (losses and every parameter gradient);
 - the attention seam resolves --model.attention=auto as documented and refuses what cannot run, naming the flag;
 - --model.compile (regional torch.compile, inductor on CPU) equals eager: loss and gradients of a 2-layer model
@@ -160,7 +160,7 @@ def test_model_equals_the_model_with_the_old_formulas(monkeypatch, dropout):
 def test_saved_activations_match_the_planner_with_long_rotary_tables(case):
     """The packed path saves, per block, the whole rotary tables in the activation dtype (the buffers or their cached
     cast), the core's output once (proj reads it without a copy) and the norms' float32 statistics:
-    planner/activations.py's formula, here with max_seq_len 4x the window."""
+    model/transformer/costs.py's formula, here with max_seq_len 4x the window."""
     from support.saved import param_storages, saved_bytes
 
     from megagenome.model.transformer.costs import TransformerShape, activation_bytes

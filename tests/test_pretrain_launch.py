@@ -47,7 +47,7 @@ def test_two_rank_run_through_the_deepspeed_launcher(uninterrupted):
     run_dir, proc, rows = uninterrupted
     assert sorted(os.listdir(run_dir)) == sorted(
         [
-            ".megagenome.lock",  # the run lock (run_lock.py), released at the end, kept as the last holder's record
+            ".megagenome.lock",  # the run lock (run/lock.py), released at the end, kept as the last holder's record
             "checkpoints",
             "config.yaml",
             "ds_config.json",

@@ -112,7 +112,7 @@ def test_which_ranks_get_dashboards(tmp_path):
 
 def test_without_wandb_installed_the_error_names_the_flag(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    with pytest.raises(ConfigError, match=r"--log\.wandb.*megagenome\[wandb\]"):
+    with pytest.raises(ConfigError, match=r"--log\.wandb.*pip install -e '\.\[wandb\]'"):
         for_run(LogConfig(run_dir=str(tmp_path), wandb=True), {}, rank=1)  # every rank checks
 
 

@@ -12,7 +12,7 @@ sequence parallel, universal, consolidated by train/consolidate.py) or another e
                             with a Hugging Face form only (hf_files.py): e.g. a `LlamaForCausalLM` and a
                             single-nucleotide tokenizer, so that
                             `AutoModelForCausalLM.from_pretrained(DIR)` computes megagenome's logits
-    megagenome.json         the manifest (inference.EXPORT_MANIFEST, its presence marks an export directory): the
+    megagenome.json         the manifest (weights.py EXPORT_MANIFEST, its presence marks an export directory): the
                             ModelConfig, format version, source run and checkpoint, dtype, int8 measurements
     model_int8.pt           with --quantize int8: the int8 model (quantize.py says how it is stored and loaded)
     README.md               a model card: source, step, parameters, held-out bits/base, int8 figures
@@ -20,10 +20,9 @@ sequence parallel, universal, consolidated by train/consolidate.py) or another e
 The directory is written under a temporary name beside DIR and renamed when complete; an existing DIR is refused
 (nothing is overwritten). Exporting needs safetensors only (plus torchao for int8), never transformers.
 
-The way back: read_export (what inference.load_model reads an export directory with) and init_from, which
-`--model.init_from DIR` calls (assembly.py) to start a run from an export's weights, this rank's tensor-parallel
-shard of them, before DeepSpeed wraps the model.
-"""
+The way back is after_training/weights.py: read_export (what inference.load_model reads an export directory with) and
+init_from, which `--model.init_from DIR` calls (run/assembly.py) to start a run from an export's weights, this rank's
+tensor-parallel shard of them, before DeepSpeed wraps the model."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class ScoreError(ValueError):
 
 @dataclass
 class Options:
-    """What `megagenome score-variants` is given (its flags, documented in cli_after.py)."""
+    """What `megagenome score-variants` is given (its flags, documented in cli/score_variants.py)."""
 
     run: str
     fasta: str

@@ -24,7 +24,9 @@ from megagenome.train.consolidate import CheckpointError, check_shapes, run_weig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EXPORT_MANIFEST = "megagenome.json"  # what marks a `megagenome export` directory
 FORMAT = "megagenome-export"
-FORMAT_VERSION = 1
+# 2: the manifest's model config names its family (--model.family); a version-1 export is a transformer's.
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)
 WEIGHTS = "model.safetensors"
 
 
@@ -64,10 +66,11 @@ def read_manifest(path: str) -> dict:
             manifest = json.load(fh)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a `megagenome export` directory ({EXPORT_MANIFEST}: {e})") from e
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("format_version") not in READS_VERSIONS:
+        versions = " and ".join(str(v) for v in READS_VERSIONS)
         raise CheckpointError(
             f"{path}: {EXPORT_MANIFEST} is format {manifest.get('format')} version {manifest.get('format_version')}, "
-            f"this megagenome reads {FORMAT} version {FORMAT_VERSION}"
+            f"this megagenome reads {FORMAT} versions {versions}"
         )
     return manifest
 

@@ -104,7 +104,8 @@ def _strip_launcher_args(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else list(argv))
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
-        report_problems(argv, [f"unknown command {argv[0]!r}{did_you_mean(argv[0], COMMANDS)}"])
+        hint = did_you_mean(argv[0], COMMANDS) or f" (the commands: {', '.join(COMMANDS)})"
+        report_problems(argv, [f"unknown command {argv[0]!r}{hint}"])
         return 2
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     problems, ns = parse(parser, argv)

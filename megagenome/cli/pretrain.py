@@ -16,13 +16,7 @@ HELP = "Pretrain a DNA language model."
 
 
 def parser() -> ArgumentParser:
-    parser = run_config_parser("megagenome pretrain", "Pretrain a DNA language model with DeepSpeed.")
-    parser.add_argument(
-        "--dry_run",
-        action="store_true",
-        help="Validate everything, print the final DeepSpeed dict and the launch command, and exit.",
-    )
-    return parser
+    return run_config_parser("megagenome pretrain", "Pretrain a DNA language model with DeepSpeed.")
 
 
 def main(parsed: Parsed) -> int:

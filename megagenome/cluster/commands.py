@@ -1,6 +1,7 @@
 """The cluster commands (layer L4): `megagenome hostfile` (write a DeepSpeed hostfile from a Slurm node list, or
-check one) and `megagenome deepspeed-env` (write .deepspeed_env). The CLI (cli.py) parses their flags; the work is
-cluster/hostfile.py's and cluster/deepspeed_env.py's. Errors go to stderr with exit status 2."""
+check one) and `megagenome deepspeed-env` (write .deepspeed_env). The CLI (cli/hostfile.py, cli/deepspeed_env.py) parses
+their flags; the work is cluster/hostfile.py's and cluster/deepspeed_env.py's. Errors go to stderr with exit status 2.
+"""
 
 from __future__ import annotations
 

@@ -130,8 +130,8 @@ def _model_problems(m: ModelConfig) -> list[str]:
 
 
 def _rope_problems(m: ModelConfig) -> list[str]:
-    """Rotary scaling (model/layers.py rope_frequencies): a factor is a context multiple (>= 1), and neither it nor
-    the trained context may be given without a scaling scheme, where they would silently do nothing."""
+    """Rotary scaling (model/transformer/blocks.py rope_frequencies): a factor is a context multiple (>= 1), and neither
+    it nor the trained context may be given without a scaling scheme, where they would silently do nothing."""
     problems = []
     if m.rope_scaling == "none":
         if m.rope_factor != 1.0:

@@ -2,7 +2,7 @@
 
 jsonargparse builds the flags from the dataclasses of config/sections.py (the docstring under each field is its
 help text) and type-checks every value. Precedence: command line > YAML given with --config (later files win) >
-dataclass defaults. Unknown keys, in YAML or on the command line, are errors. The CLI (cli.py) adds its
+dataclass defaults. Unknown keys, in YAML or on the command line, are errors. The CLI (cli/) adds its
 commands' own flags to these parsers; tests, benchmarks and other tools build configs here, never through the CLI.
 
 Before jsonargparse parses anything, `argument_problems` reads the command line and its YAML files the way a user
@@ -49,8 +49,16 @@ def add_run_config(
 
 
 def run_config_parser(prog: str = "megagenome pretrain", description: str | None = None) -> ArgumentParser:
-    """A parser of the run config alone: --config and the RootConfig flags."""
-    return add_run_config(strict(ArgumentParser(prog=prog, description=description)))
+    """The parser of `megagenome pretrain`'s command line: --config, the RootConfig flags and --dry_run. Everything
+    that reads a pretrain command line parses it with this one (the CLI, the launch scripts' supervisor, tests), so
+    a YAML that `--print_config` wrote, which lists dry_run too, is a valid --config for each of them."""
+    parser = add_run_config(strict(ArgumentParser(prog=prog, description=description)))
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="Validate everything, print the final DeepSpeed dict and the launch command, and exit.",
+    )
+    return parser
 
 
 def root_config(ns) -> RootConfig:

@@ -19,9 +19,11 @@ consolidation, export, quantization and inference all ask the family. What it an
     parallel_rules(cfg, vocab_size)     what the tensor, sequence and pipeline degrees must divide (ParallelRules,
                                         checked by parallel/layout.py before launch)
     pipeline_prefixes(cfg)              the state-dict prefix of each layer of the pipeline's layer list, in order
-    costs(cfg, vocab_size)              the planner's arithmetic (a cost model: FLOPs per token in both attention
-                                        conventions, recomputation, activation bytes per checkpointing policy,
-                                        elementwise bytes, parameter tensors per rank, tensor-parallel traffic)
+    costs(cfg, vocab_size)              the planner's arithmetic (a cost model, a frozen dataclass whose fields are
+                                        the shape the plan's JSON records, with methods: FLOPs per token in both
+                                        attention conventions, recomputation, activation bytes per checkpointing
+                                        policy, elementwise bytes, parameter tensors per rank, tensor-parallel
+                                        traffic, describe(); model/transformer/costs.py TransformerShape is one)
     shape_problems(cfg)                 what keeps the cost model from being defined (the planner reports it)
     run_flops(cfg, ...)                 a run's FLOPs per token, model and hardware, in both conventions (MFU, HFU)
     quantizable(name)                   which linears INT8 export quantizes
@@ -74,7 +76,8 @@ class ParallelRules:
 class PipelineLayers:
     """A model as DeepSpeed's pipeline runs it: embedding (token ids -> x), body (x -> x each, in order), head
     (x -> logits); tied: the head is the embedding's matrix (the pipeline ties them across its first and last
-    stage). parallel/pipeline.py builds the PipelineModule from these."""
+    stage, rebuilding the embedding as an nn.Embedding, or a VocabParallelEmbedding under tensor parallelism, of
+    the model's padded_vocab_size rows and its weight's width). parallel/pipeline.py builds the PipelineModule."""
 
     embedding: nn.Module
     body: list[nn.Module]

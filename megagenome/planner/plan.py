@@ -197,7 +197,12 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
     ]
     yours = _your_config(setup, cfg, ds, dp)
     out = {
-        "model": {**dataclasses.asdict(setup.shape), "parameters": setup.shape.n_params(), "seq_len": setup.seq},
+        "model": {
+            **dataclasses.asdict(setup.shape),
+            "shape": setup.shape.describe(),
+            "parameters": setup.shape.n_params(),
+            "seq_len": setup.seq,
+        },
         "cluster": {**dataclasses.asdict(cluster), "peak_tflops": peak, "tensor_parallel": tp, "data_parallel": dp},
         "global_batch": global_batch,
         "curriculum": Curriculum.from_config(cfg.data).describe() if cfg.data.seq_warmup_lengths else None,
@@ -301,8 +306,8 @@ def render(plan: dict) -> str:
     m, c, p = plan["model"], plan["cluster"], plan["precision"]
     budget = c["gpu_memory_gb"] * (1 - c["memory_margin"])
     lines = [
-        f"model: {m['parameters']:,} parameters (d_model {m['d_model']}, {m['n_layer']} layers, {m['n_head']} heads, "
-        f"d_ff {m['d_ff']}), seq_len {m['seq_len']}, global batch {plan['global_batch']} sequences "
+        f"model: {m['parameters']:,} parameters ({m['shape']}), seq_len {m['seq_len']}, global batch "
+        f"{plan['global_batch']} sequences "
         f"({plan['global_batch'] * m['seq_len']:,} tokens)",
         *([f"curriculum: {plan['curriculum']}; activations sized for its largest stage"] if plan["curriculum"] else []),
         f"cluster: {c['gpus']} x {c['gpu']} ({c['gpu_memory_gb']:g} GiB, {c['peak_tflops']:g} TFLOP/s peak, assumed "

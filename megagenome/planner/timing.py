@@ -1,10 +1,10 @@
 """Step time: compute, tensor-parallel and data-parallel communication, offload traffic (layer L1, pure arithmetic).
 
-Compute: per GPU and micro batch, (6N + 6*L*d*s + recomputation) FLOPs per token x tokens / tensor degree, run at
-`mfu` x the GPU's dense bf16 peak: causal attention counted at half, as Megatron-LM does (metrics.py; 6N + 12*L*d*s
-for a bidirectional mlm model, ModelShape.causal False), so `mfu` is in that convention. Recomputed FLOPs run at
-the same rate, so checkpointing costs time. breakdown.py splits a step bottom-up instead, each kind of work at its
-own rate.
+Compute: per GPU and micro batch, (6N + 6*L*d*s + recomputation) FLOPs per token x tokens / tensor degree, run at `mfu`
+x the GPU's dense bf16 peak: causal attention counted at half, as Megatron-LM does (model/transformer/flops.py; 6N +
+12*L*d*s for a bidirectional mlm model, TransformerShape.causal False), so `mfu` is in that convention. Recomputed FLOPs
+run at the same rate, so checkpointing costs time. breakdown.py splits a step bottom-up instead, each kind of work at
+its own rate.
 
 Data-parallel gradient communication, ring algorithms, bytes each rank sends for a message of S bytes over n ranks
 (nccl-tests' bus-bandwidth convention, so `megagenome preflight`'s busbw plugs in directly):

@@ -62,6 +62,8 @@ def dry_run(cfg: RootConfig, config_files: list[str], args: list[str]) -> dict:
     command = ["deepspeed", "--num_gpus", str(world_size), "--module", "megagenome", "pretrain", *shown]
     print(json.dumps(final, indent=2))
     print(f"# world size {world_size}; launch with:\n{shlex.join(command)}")
+    if "--dry_run" not in args:  # dry_run: true came from a --config file (one --print_config wrote, say)
+        print(f"# dry_run: true is set in {' or '.join(config_files) or 'a --config file'}: drop it before launching")
     return final
 
 
@@ -141,7 +143,7 @@ def _train(validated: Validated, ranks, data: GenomeData, stop, logs: console.Ra
 
 
 def _lock_run_dir(cfg: RootConfig, rank: int):
-    """Rank 0 takes the run directory's lock (run_lock.py) for the run's life, before anything is written; a run
+    """Rank 0 takes the run directory's lock (run/lock.py) for the run's life, before anything is written; a run
     already holding it is reported on every rank as a refused config (exit 2). Returns the lock (rank 0) or None."""
     lock, message = None, None
     if rank == 0:

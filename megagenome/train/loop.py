@@ -22,19 +22,19 @@ judged, and a bad step is acted on at the next sync point exactly as at N = 1 (t
 by the rollback or the stop). The spike detector makes every step a sync point (it needs each loss before the
 update). Throughput is timed from one sync point to the next, evaluation and checkpoint saving excluded.
 
-Accounting (one row per logging window, metrics.py for the FLOP formulas): seq_len is the window length in force (a
-warmup's, data/curriculum.py, which the token counts and FLOPs follow); tokens counts every position of every window
-trained (padding and N included) and is cumulative (LoopPlan.tokens_at: a resumed run adds its steps at their lengths to
-the count its checkpoint saved: steps before a context change keep theirs); window_tokens is that count for the window
-and window_real_tokens the positions that carry loss (loss_weight > 0: not N, not packing separators, for mlm only the
-selected positions), counted on the CPU batches by TokenCounter. tokens_per_s is global; tflops_per_gpu and mfu use the
-model FLOPs (6N + 6*L*d*s per token for clm, causal attention at half as Megatron-LM counts it; 6N + 12*L*d*s for mlm),
-hw_tflops_per_gpu and hfu the hardware FLOPs (plus what activation checkpointing recomputes); tflops_per_gpu_full_attn,
-mfu_full_attn and hfu_full_attn count every attention score (PaLM); peak_tflops and peak_source say what the ratios
-divide by. mem_peak_bytes is rank 0's peak, mem_peak_bytes_max the largest over ranks. The loss, the real-token count
-and every rank's peak memory travel in one reduce_sum per logged window (each rank puts its peak in its own slot of a
-vector, so the sum carries them all and the maximum is taken locally): no extra collective.
-"""
+Accounting (one row per logging window, the model family's run_flops for the FLOP formulas): seq_len is the window
+length in force (a warmup's, data/curriculum.py, which the token counts and FLOPs follow); tokens counts every position
+of every window trained (padding and N included) and is cumulative (LoopPlan.tokens_at: a resumed run adds its steps at
+their lengths to the count its checkpoint saved: steps before a context change keep theirs); window_tokens is that count
+for the window and window_real_tokens the positions that carry loss (loss_weight > 0: not N, not packing separators, for
+mlm only the selected positions), counted on the CPU batches by TokenCounter. tokens_per_s is global; tflops_per_gpu and
+mfu use the model FLOPs (6N + 6*L*d*s per token for clm, causal attention at half as Megatron-LM counts it; 6N +
+12*L*d*s for mlm), hw_tflops_per_gpu and hfu the hardware FLOPs (plus what activation checkpointing recomputes);
+tflops_per_gpu_full_attn, mfu_full_attn and hfu_full_attn count every attention score (PaLM); peak_tflops and
+peak_source say what the ratios divide by. mem_peak_bytes is rank 0's peak, mem_peak_bytes_max the largest over ranks.
+The loss, the real-token count and every rank's peak memory travel in one reduce_sum per logged window (each rank puts
+its peak in its own slot of a vector, so the sum carries them all and the maximum is taken locally): no extra
+collective."""
 
 from __future__ import annotations
 

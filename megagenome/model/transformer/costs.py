@@ -1,7 +1,7 @@
 """The transformer's cost model (layer L1, pure arithmetic): its parameter tensors, saved-activation bytes per
 checkpointing policy, elementwise bytes and FLOPs, for the planner (planner/) and the FLOP accounting.
 
-The per-block formula is derived from what autograd saves for backward in model/layers.py, tensor by tensor (the
+The per-block formula is derived from what autograd saves for backward in blocks.py and model.py, tensor by tensor (the
 bytes a torch.autograd.graph.saved_tensors_hooks count sees, one count per storage, parameters excluded). With
 b the micro batch, s the sequence length, d = d_model, a = n_head, f = d_ff, e the activation element size (4 fp32,
 2 bf16/fp16), N = b*s*d and H = b*s*f, one block without checkpointing keeps
@@ -37,7 +37,7 @@ SwiGLU hidden states shrink by t; norms, block inputs, dropout masks and the qkv
 
 Elementwise bytes per token and layer (e = 2 bytes of a bf16 activation, 4 of fp32; d = d_model, f = d_ff; every
 kernel reads its inputs and writes its output once, as an unfused elementwise kernel does). "eager" is the block
-unfused, as model/layers.py wrote it before its fused paths (RMSNorm as fp32 ops, rotary per q and k, separate
+unfused, as blocks.py was written before its fused paths (RMSNorm as fp32 ops, rotary per q and k, separate
 SwiGLU and residual kernels): an upper bound. The eager model of today sits between the two columns on a GPU
 (RMSNorm is torch's one fused rms_norm kernel, rotary one autograd node on the packed qkv, no layout copies; the
 residual adds, SwiGLU and rotary's own products are still separate kernels); "fused" is --model.compile:
@@ -95,8 +95,12 @@ class TransformerShape:
     max_seq_len: int = 1024
     dropout: float = 0.0
     causal: bool = True
-    """Count attention FLOPs in the causal convention (Megatron-LM, metrics.py): a clm model; False for mlm, or to
+    """Count attention FLOPs in the causal convention (Megatron-LM, flops.py): a clm model; False for mlm, or to
     reproduce a count that took every score (the Megatron-LM 2019 calibration in tests/test_plan.py)."""
+
+    def describe(self) -> str:
+        """The shape as `megagenome plan` prints it."""
+        return f"d_model {self.d_model}, {self.n_layer} layers, {self.n_head} heads, d_ff {self.d_ff}"
 
     def param_numels(self, tp: int = 1) -> list[int]:
         """Elements of each parameter tensor one of `tp` tensor-parallel ranks holds, in model order."""
@@ -278,7 +282,7 @@ def activation_bytes(
 
 
 def recompute_flops_per_token(shape: TransformerShape, seq: int, policy: str, early_stop: bool = True) -> float:
-    """Extra FLOPs per token that recomputation adds: metrics.recompute_flops_per_token (the one formula, also
+    """Extra FLOPs per token that recomputation adds: flops.recompute_flops_per_token (the one formula, also
     behind every run's HFU) for this shape, in its convention (shape.causal); early_stop: torch's checkpoint (the
     default without an activation_checkpointing block in the DeepSpeed JSON) skips the last w_down of each
     segment."""

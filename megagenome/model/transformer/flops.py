@@ -49,7 +49,7 @@ def forward_flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: 
 
 
 def block_parameters(d_model: int, d_ff: int) -> int:
-    """Parameters of one transformer block (model/layers.py Block): fused qkv 3d^2, output projection d^2,
+    """Parameters of one transformer block (blocks.py Block): fused qkv 3d^2, output projection d^2,
     SwiGLU gate, up and down 3*d*d_ff, two RMSNorm scales 2d; no biases."""
     return 4 * d_model * d_model + 3 * d_model * d_ff + 2 * d_model
 
@@ -72,7 +72,7 @@ def recompute_flops_per_token(
     """Forward FLOPs per token that activation checkpointing runs a second time, in backward, with the attention
     cores counted in the convention `causal` picks (module docstring): C = 2*d*s per layer causal, 4*d*s full.
 
-    --model.checkpointing, as model/transformer.py and model/layers.py run it (P = block_params, the parameters
+    --model.checkpointing, as model.py and blocks.py run it (P = block_params, the parameters
     of one block: block_parameters(d_model, d_ff) or counted on the model):
 
     - none: 0.

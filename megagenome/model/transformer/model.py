@@ -33,15 +33,6 @@ def padded_vocab_size(vocab_size: int) -> int:
     return VOCAB_MULTIPLE * math.ceil(vocab_size / VOCAB_MULTIPLE)
 
 
-def dense_parameters(cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
-    """(parameters of the whole model, tied weights once; parameters of one block) for cfg: what the FLOP counts
-    use, whatever shard a rank holds. Counted on a model built on the meta device (no memory, random stream
-    untouched)."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        dense = DNATransformer(cfg, vocab_size)
-    return dense.num_parameters(), sum(p.numel() for p in dense.blocks[0].parameters())
-
-
 class DNATransformer(nn.Module):
     """A LLaMA-style transformer for single-nucleotide DNA tokens (clm or mlm objective).
 
