@@ -197,12 +197,7 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
     ]
     yours = _your_config(setup, cfg, ds, dp)
     out = {
-        "model": {
-            **dataclasses.asdict(setup.shape),
-            "shape": setup.shape.describe(),
-            "parameters": setup.shape.n_params(),
-            "seq_len": setup.seq,
-        },
+        "model": _model_record(setup),
         "cluster": {**dataclasses.asdict(cluster), "peak_tflops": peak, "tensor_parallel": tp, "data_parallel": dp},
         "global_batch": global_batch,
         "curriculum": Curriculum.from_config(cfg.data).describe() if cfg.data.seq_warmup_lengths else None,
@@ -239,6 +234,12 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
             row["efficiency_by_stage"] = {str(s): by_stage[s][i]["efficiency"] for s in stages}
     out["breakdown"] = _breakdown(setup, yours or out["recommendation"], "your config" if yours else "recommendation")
     return out
+
+
+def _model_record(setup: Setup) -> dict:
+    """The plan's "model": the cost model's fields (the family's shape), its description, parameters, window."""
+    shape = setup.shape
+    return {**dataclasses.asdict(shape), "shape": shape.describe(), "parameters": shape.n_params(), "seq_len": setup.seq}
 
 
 def _notes(prec: Precision) -> list[str]:
