@@ -239,7 +239,8 @@ def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, 
 def _model_record(setup: Setup) -> dict:
     """The plan's "model": the cost model's fields (the family's shape), its description, parameters, window."""
     shape = setup.shape
-    return {**dataclasses.asdict(shape), "shape": shape.describe(), "parameters": shape.n_params(), "seq_len": setup.seq}
+    described = {"shape": shape.describe(), "parameters": shape.n_params(), "seq_len": setup.seq}
+    return {**dataclasses.asdict(shape), **described}
 
 
 def _notes(prec: Precision) -> list[str]:
