@@ -13,6 +13,7 @@ The names most code needs are importable from `megagenome.config` itself.
 from megagenome.config.checks import ConfigError, signal_number, validate, validate_manifest
 from megagenome.config.record import config_differences, config_hash, resume_record
 from megagenome.config.sections import (
+    LAYER_KINDS,
     CheckpointConfig,
     DataConfig,
     LogConfig,
@@ -24,6 +25,7 @@ from megagenome.config.sections import (
     SourceConfig,
     TrainConfig,
     d_ff,
+    layer_kinds,
     parse_region,
     to_dict,
 )
@@ -42,7 +44,9 @@ __all__ = [
     "TrainConfig",
     "config_differences",
     "config_hash",
+    "LAYER_KINDS",
     "d_ff",
+    "layer_kinds",
     "parse_region",
     "resume_record",
     "signal_number",

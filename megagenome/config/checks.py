@@ -14,6 +14,7 @@ import re
 import signal
 
 from megagenome.config.sections import (
+    LAYER_KINDS,
     CheckpointConfig,
     DataConfig,
     LogConfig,
@@ -126,7 +127,37 @@ def _model_problems(m: ModelConfig) -> list[str]:
         )
     if m.d_ff is not None and m.d_ff <= 0:
         problems.append(f"--model.d_ff={m.d_ff}: must be positive")
-    return problems + _within_unit([("model.dropout", m.dropout)]) + _rope_problems(m)
+    return problems + _within_unit([("model.dropout", m.dropout)]) + _rope_problems(m) + _hyena_problems(m)
+
+
+def _hyena_problems(m: ModelConfig) -> list[str]:
+    """The Hyena families' own keys (model/hyena/): lengths positive, the layer pattern made of known operators."""
+    if m.family == "transformer":
+        return []
+    problems = _positive(
+        [("model.short_filter_len", m.short_filter_len), ("model.se_filter_len", m.se_filter_len)]
+        + [("model.mr_filter_len", m.mr_filter_len), ("model.state_size", m.state_size)]
+        + [("model.filter_width", m.filter_width)]
+    )
+    if m.family == "striped_hyena":
+        tokens = m.layer_pattern.replace(",", " ").split()
+        unknown = sorted({t for t in tokens if t not in LAYER_KINDS})
+        if not tokens or unknown:
+            problems.append(
+                f"--model.layer_pattern={m.layer_pattern!r}: expected operators among {', '.join(LAYER_KINDS)} "
+                f"separated by spaces or commas{'; unknown: ' + ', '.join(unknown) if unknown else ''}"
+            )
+    if m.objective != "clm":
+        problems.append(
+            f"--model.objective={m.objective} with --model.family={m.family}: Hyena operators are causal "
+            "convolutions; a masked objective needs a bidirectional family"
+        )
+    if m.compile:
+        problems.append(
+            f"--model.compile with --model.family={m.family}: the Hyena filters are complex-valued and FFT-based, "
+            "which inductor does not compile as one graph; drop --model.compile"
+        )
+    return problems
 
 
 def _rope_problems(m: ModelConfig) -> list[str]:

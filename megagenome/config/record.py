@@ -38,6 +38,12 @@ RESUME_MAY_CHANGE = frozenset(
 RECORDED_WHEN_SET = frozenset(
     {
         "model.family",
+        "model.layer_pattern",
+        "model.short_filter_len",
+        "model.se_filter_len",
+        "model.mr_filter_len",
+        "model.state_size",
+        "model.filter_width",
         "model.rope_scaling",
         "model.rope_factor",
         "model.rope_original_max_len",

@@ -23,9 +23,26 @@ _REGION = re.compile(r"^(?P<contig>\S+):(?P<start>[0-9][0-9,]*)-(?P<end>[0-9][0-
 class ModelConfig:
     """The model: its family, shape and objective."""
 
-    family: Literal["transformer"] = "transformer"
+    family: Literal["transformer", "hyena", "striped_hyena"] = "transformer"
     """Model family (model/family.py; its implementation in model/<family>/): transformer, a LLaMA-style pre-norm
-    transformer with rotary embeddings and SwiGLU (clm or mlm)."""
+    transformer with rotary embeddings and SwiGLU (clm or mlm); hyena, HyenaDNA's stack of Hyena operators (gated
+    long convolutions with an implicit filter, by FFT); striped_hyena, StripedHyena 2 as in Evo 2 (Hyena-SE, -MR,
+    -LI and attention layers in the order --model.layer_pattern gives). model/hyena/ holds both Hyena families."""
+    layer_pattern: str = "SE MR LI A SE MR LI"
+    """striped_hyena: the operator of each layer, in order, the pattern repeated to --model.n_layer layers (this
+    default tiled over 25 layers is Evo 2 1B's layout): SE (Hyena with a short explicit filter, direct convolution),
+    MR (a medium explicit filter with exponential decay), LI (a long implicit filter in modal form, by FFT), A
+    (attention, the transformer's block). Separated by spaces or commas."""
+    short_filter_len: int = 3
+    """Hyena families: length of the depthwise causal convolution over the input projections (the featurizer)."""
+    se_filter_len: int = 7
+    """striped_hyena: length of the Hyena-SE layers' explicit filters."""
+    mr_filter_len: int = 128
+    """striped_hyena: length of the Hyena-MR layers' explicit filters."""
+    state_size: int = 16
+    """striped_hyena: poles of each channel's Hyena-LI filter (its modal order)."""
+    filter_width: int = 64
+    """hyena: hidden width of the implicit filter's MLP (sine activations over positional features)."""
     d_model: int = 128
     """Width of the residual stream."""
     n_layer: int = 4
@@ -423,6 +440,21 @@ def parse_region(text: str) -> Region:
     if start < 1 or end < start:
         raise ValueError(f"{text!r}: need 1 <= start <= end")
     return Region(m["contig"], start - 1, end)
+
+
+# The operators of --model.layer_pattern (model/hyena/operators.py).
+LAYER_KINDS = ("SE", "MR", "LI", "A")
+
+
+def layer_kinds(m: ModelConfig) -> list[str]:
+    """The operator of each of the model's layers: "H" (HyenaDNA's operator) for every layer of the hyena family,
+    --model.layer_pattern repeated to --model.n_layer layers for striped_hyena, "A" (attention) for the transformer."""
+    if m.family == "hyena":
+        return ["H"] * max(m.n_layer, 0)
+    if m.family == "transformer":
+        return ["A"] * max(m.n_layer, 0)
+    pattern = m.layer_pattern.replace(",", " ").split()
+    return [pattern[i % len(pattern)] for i in range(max(m.n_layer, 0))] if pattern else []
 
 
 def d_ff(model: ModelConfig) -> int:

@@ -64,12 +64,14 @@ class ParallelRules:
     --parallel.sequence x --parallel.tensor must divide (what each sequence-parallel rank holds whole over the full
     sequence); pipeline_units: how many pipeline layers of the repeated kind there are and what one is called (every
     stage needs at least one); pipeline_classes: the class names of the pipeline's layers that
-    --parallel.pipeline_partition type:NAME may match, dense and under tensor parallelism."""
+    --parallel.pipeline_partition type:NAME may match, dense and under tensor parallelism; sequence_refusal: the
+    reason a family without sequence parallelism gives when --parallel.sequence > 1."""
 
     tensor: tuple[Divisible, ...]
     sequence: tuple[Divisible, ...]
     pipeline_units: tuple[str, int, str]  # (flag, count, what one unit is): ("--model.n_layer", 4, "transformer block")
     pipeline_classes: tuple[tuple[str, ...], tuple[str, ...]]
+    sequence_refusal: str | None = None  # why --parallel.sequence > 1 is refused for this family (None: it is not)
 
 
 @dataclass

@@ -25,8 +25,9 @@ class DenseLayers:
     A factory makes column(in, out) (a linear whose output features a tensor-parallel split would shard), row(in,
     out) (one whose input features it would), embedding(rows, dim), head(dim, rows, tied) (the LM head, sharing the
     embedding's weight when tied is given), token_loss(embedding, vocab_size) (the per-token loss of the head's
-    output, None: cross entropy of the full logits, DNATransformer.forward) and attention_dropout_rng (a context
-    manager factory entered around attention dropout, None: the default generator)."""
+    output, None: cross entropy of the full logits, model/stack.py), channels(tensor, parameter) (a per-channel
+    tensor, split by channel under tensor parallelism) and attention_dropout_rng (a context manager factory entered
+    around attention dropout, None: the default generator)."""
 
     attention_dropout_rng = None
 
@@ -47,6 +48,11 @@ class DenseLayers:
 
     def token_loss(self, embedding: nn.Module, vocab_size: int) -> Callable | None:
         return None
+
+    def channels(self, tensor: torch.Tensor, parameter: bool = True) -> torch.Tensor:
+        """A per-channel tensor (channels along dim 0, a Hyena filter's taps or poles) as this rank holds it: the
+        whole tensor here (an nn.Parameter when `parameter`, else the tensor, for a buffer)."""
+        return nn.Parameter(tensor) if parameter else tensor
 
 
 def init_normal_(module: nn.Module, std: float) -> None:

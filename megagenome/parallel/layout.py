@@ -183,6 +183,8 @@ def _sequence_problems(layout: ParallelLayout, rules, seq_len: int) -> list[str]
             f"--data.seq_len={seq_len} is not divisible by --parallel.sequence={sp}: each sequence-parallel "
             "rank holds an equal chunk of every window"
         )
+    if rules.sequence_refusal:
+        return [f"--parallel.sequence={sp}: {rules.sequence_refusal}"]
     flags = f"--parallel.sequence={sp}" + (f" x --parallel.tensor={tp}" if tp > 1 else "")
     problems += _indivisible(rules.sequence, sp * tp, flags)
     if pp > 1:

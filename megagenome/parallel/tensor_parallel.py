@@ -411,6 +411,12 @@ class TensorParallelLayers:
             vocab_parallel_cross_entropy, vocab_start=embedding.vocab_start, vocab_size=vocab_size, group=self.group
         )
 
+    def channels(self, tensor: torch.Tensor, parameter: bool = True) -> torch.Tensor:
+        """This rank's contiguous block of a per-channel tensor's rows (dim 0; the channels of its heads), as a
+        sharded parameter (or, parameter=False, a plain tensor for a buffer)."""
+        block = _shard(tensor, 0, dist.get_rank(self.group), dist.get_world_size(self.group))
+        return _mark(nn.Parameter(block), 0) if parameter else block
+
 
 def grad_norm(parameters, mpu=None) -> float:
     """Global L2 norm of the gradients of `parameters`, each gradient counted once: sharded parameters

@@ -291,6 +291,20 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, layers)
         self.dropout = nn.Dropout(cfg.dropout)
 
+    def set_recompute(self, fn: Callable | None) -> None:
+        """Selective checkpointing (model/stack.py): fn recomputes the attention core in backward; None keeps it."""
+        self.attn.recompute_core = fn
+
+    def residual_projections(self) -> tuple[nn.Module, nn.Module]:
+        """The projections writing into the residual stream (scaled at initialisation, GPT-2's rule)."""
+        return self.attn.proj, self.mlp.w_down
+
+    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0) -> None:
+        """Sequence parallelism (DNATransformer.set_sequence_parallel): this rank holds chunk `rank` of every
+        sequence and attention(core, q, k, v) runs the core over the whole one; None: whole sequences."""
+        self.attn.sequence_parallel = attention
+        self.attn.sequence_rank = rank
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x)))  # (B, T, d_model)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d_model)

@@ -1,44 +1,31 @@
 """DNATransformer (layer L1): token embedding, n_layer pre-norm Blocks, final RMSNorm and a (tied) LM head; the
-transformer family's module (model/transformer/family.py), which implements model/family.py's LanguageModel.
-
-forward() returns the weighted loss together with its numerator and denominator (nll_sum in
-nats, weight_sum), so the training loop can sum them over micro-batches and ranks and report
-exact bits per base instead of averaging per-batch means.
+transformer family's module (model/transformer/family.py). The loss, checkpointing policy, distillation and
+parameter accounting are model/stack.py's BlockStack, which every family's module shares; here are what is the
+transformer's own: its construction and initialisation, regional compilation and sequence parallelism.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
-import torch
-import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from megagenome.config import ModelConfig
 from megagenome.model.attention import resolve_before_compile
-from megagenome.model.distill import Teacher, distill_sums
-from megagenome.model.family import PipelineLayers
 from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_
+from megagenome.model.stack import BlockStack, padded_vocab_size
 from megagenome.model.transformer.blocks import Block
 
-# Embedding rows are padded to a multiple of this so the LM-head matmul has tensor-core friendly shapes.
-VOCAB_MULTIPLE = 8
 
-
-def padded_vocab_size(vocab_size: int) -> int:
-    """Rows of the embedding and LM head: vocab_size rounded up to a multiple of VOCAB_MULTIPLE."""
-    return VOCAB_MULTIPLE * math.ceil(vocab_size / VOCAB_MULTIPLE)
-
-
-class DNATransformer(nn.Module):
+class DNATransformer(BlockStack):
     """A LLaMA-style transformer for single-nucleotide DNA tokens (clm or mlm objective).
 
     layers: the factory of its linears, embedding, head and loss (model/layers.py): DenseLayers (the default) for a
     whole model, or a tensor-parallel factory for this rank's shard of it; the same seed gives the same weights.
     """
+
+    context_limit = "the rotary tables end there"
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, layers: DenseLayers | None = None):
         super().__init__()
@@ -58,13 +45,7 @@ class DNATransformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=self.embed if cfg.tie_embeddings else None)
 
-        self.set_checkpoint_function(None)
-        self.sequence_parallel_size = 1
-        self.teacher: Teacher | None = None  # knowledge distillation (set_teacher); not a submodule
-        # Per-token loss fn(head_output, labels) -> (B*T,) float32 cross entropy: a tensor-parallel factory's
-        # vocabulary-parallel one takes the LM head's output shard (B, T, padded_vocab / tp) as it is. None: cross
-        # entropy of the full logits.
-        self.token_loss: Callable | None = layers.token_loss(self.embed, vocab_size)
+        self.finish_init(layers)
         self.apply(self._init_weights)
         # GPT-2 rule: each block adds two residual branches, so scaling the projections that write
         # into the residual stream by 1/sqrt(2 * n_layer) keeps its variance independent of depth.
@@ -98,25 +79,6 @@ class DNATransformer(nn.Module):
         else:
             init_normal_(module, self.cfg.init_std)
 
-    def set_checkpoint_function(self, fn: Callable | None) -> None:
-        """Install the activation-checkpoint function fn(function, *args) used by --model.checkpointing.
-
-        None means torch.utils.checkpoint (non-reentrant); the training engine passes DeepSpeed's
-        checkpoint function instead when the DeepSpeed JSON has an activation_checkpointing block.
-        """
-        self._checkpoint = fn or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-        selective = self.cfg.checkpointing == "selective"
-        for block in self.blocks:
-            block.attn.recompute_core = self._checkpoint if selective else None
-
-    def set_teacher(self, teacher: Teacher | None) -> None:
-        """Train on the blend of the usual loss and a frozen teacher's soft predictions (model/distill.py). The
-        teacher stays outside the module tree: no parameters of it are trained, partitioned or saved. A whole
-        model only (no tensor-parallel head)."""
-        if teacher is not None and self.token_loss is not None:
-            raise ValueError("distillation needs the whole LM head on each rank (no tensor parallelism)")
-        object.__setattr__(self, "teacher", teacher)
-
     def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1) -> None:
         """Install sequence parallelism: this rank holds chunk `rank` of `size` equal chunks of every sequence.
 
@@ -132,106 +94,4 @@ class DNATransformer(nn.Module):
             raise ValueError(f"--model.n_head={self.cfg.n_head} is not divisible by --parallel.sequence={size}")
         self.sequence_parallel_size = size if attention is not None else 1
         for block in self.blocks:
-            block.attn.sequence_parallel = attention if size > 1 else None
-            block.attn.sequence_rank = rank if size > 1 else 0
-
-    def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """The block stack under the checkpointing policy: full = segments of 1 block, every_k = of k."""
-        policy = self.cfg.checkpointing
-        if policy in ("none", "selective") or not torch.is_grad_enabled():
-            for block in self.blocks:
-                x = block(x)  # (B, T, d_model)
-            return x
-        size = 1 if policy == "full" else self.cfg.checkpoint_every
-        for start in range(0, len(self.blocks), size):
-            segment = functools.partial(_run_segment, self.blocks[start : start + size])
-            x = self._checkpoint(segment, x)  # (B, T, d_model); only the segment input is kept
-        return x
-
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token (clm) or masked-token (mlm) logits, (B, T, vocab_size), in the model's dtype."""
-        # Padded vocabulary columns are never valid targets; slicing them off keeps them out of the softmax.
-        return self.lm_head(self.hidden(input_ids))[..., : self.vocab_size]  # (B, T, vocab_size)
-
-    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The LM head's input: the final-norm hidden states, (B, T, d_model)."""
-        T = input_ids.size(1) * self.sequence_parallel_size  # input_ids: (B, T / sequence-parallel size)
-        if T > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sequence length {T} is above --model.max_seq_len={self.cfg.max_seq_len} "
-                "(the rotary tables end there); raise it or shorten --data.seq_len"
-            )
-        x = self.embed(input_ids)  # (B, T, d_model)
-        x = self._run_blocks(x)  # (B, T, d_model)
-        return self.norm(x)  # (B, T, d_model)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        loss_weight: torch.Tensor,
-        weight_total: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, nll_sum, weight_sum) for input_ids and labels (B, T) int64 and loss_weight (B, T) float.
-
-        nll_sum = sum(cross_entropy * loss_weight) in nats, weight_sum = sum(loss_weight) and
-        loss = nll_sum / max(weight_sum, 1). Labels at weight-0 positions may be -100 (ignored).
-
-        weight_total (a 0-d tensor), given under sequence parallelism, is the loss denominator of the whole
-        sequences this batch is one chunk of (their max(weight_sum, 1)); loss = nll_sum / weight_total is then
-        this chunk's share, and the shares of all chunks add up to the loss of the whole sequences.
-        """
-        logits = None
-        if self.token_loss is not None:
-            ce = self.token_loss(self.lm_head(self.hidden(input_ids)), labels)  # (B*T,)
-        else:
-            logits = self.logits(input_ids).flatten(0, 1)  # (B*T, vocab_size)
-            # Float32 log-softmax: under bf16 the logits' rounding would bias the loss.
-            ce = F.cross_entropy(logits.float(), labels.flatten(), reduction="none")  # (B*T,)
-        weight = loss_weight.float().flatten()  # (B*T,)
-        nll_sum = (ce * weight).sum()
-        weight_sum = weight.sum()
-        denominator = weight_sum.clamp(min=1.0) if weight_total is None else weight_total.float()
-        numerator = nll_sum
-        if self.teacher is not None and self.training:
-            # The blend is what is optimised; nll_sum stays the plain cross entropy, so logged losses and bits per
-            # base mean what they mean without a teacher.
-            teacher_logits = self.teacher.logits(input_ids).flatten(0, 1)  # (B*T, vocab_size)
-            numerator = distill_sums(logits, teacher_logits, ce, weight, self.teacher)
-        loss = numerator / denominator
-        return loss, nll_sum, weight_sum
-
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters, tied weights counted once.
-
-        exclude_embeddings drops the vocabulary matrices (the token embedding and, when untied, the
-        LM head), the usual "non-embedding" count of scaling-law papers.
-        """
-        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
-        if exclude_embeddings:
-            n -= self.embed.weight.numel()
-            if self.lm_head.weight is not self.embed.weight:
-                n -= self.lm_head.weight.numel()
-        return n
-
-    def vocab_parameters(self) -> list[nn.Parameter]:
-        """The token embedding and the LM head weights (one tensor when tied): the vocabulary matrices."""
-        return list({id(p): p for p in (self.embed.weight, self.lm_head.weight)}.values())
-
-    def pipeline_layers(self) -> PipelineLayers:
-        """The model as the pipeline's layer list: embedding, the blocks and the final norm, the LM head."""
-        return PipelineLayers(self.embed, [*self.blocks, self.norm], self.lm_head, self.cfg.tie_embeddings)
-
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW parameter groups: matrices (linears, embedding) decay; norm scales and other 1-D tensors do not."""
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
-                (decay if p.dim() >= 2 else no_decay).append(p)
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _run_segment(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    for block in blocks:
-        x = block(x)  # (B, T, d_model)
-    return x
+            block.set_sequence_parallel(attention if size > 1 else None, rank if size > 1 else 0)

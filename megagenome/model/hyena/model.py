@@ -1,0 +1,102 @@
+"""HyenaLM (layer L1): the module of both Hyena families (model/hyena/family.py), a BlockStack (model/stack.py) of
+Hyena blocks and, for striped_hyena, attention blocks in the order --model.layer_pattern gives.
+
+A Hyena block is pre-norm like the transformer's: x + mixer(norm(x)), then x + mlp(norm(x)), the mixer a Hyena
+operator (operators.py) and the MLP the transformer's SwiGLU (StripedHyena's ParallelGatedMLP); an attention block
+(A) is the transformer's Block itself (rotary self-attention and SwiGLU). Embedding, final norm and tied head are
+the transformer's, so the two families differ only in their mixers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from megagenome.config import ModelConfig, layer_kinds
+from megagenome.model.hyena.operators import HyenaOperator
+from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_
+from megagenome.model.stack import BlockStack, padded_vocab_size
+from megagenome.model.transformer.blocks import MLP, Block
+
+
+class HyenaBlock(nn.Module):
+    """Pre-norm block with a Hyena operator of `kind` as its mixer: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, layers):
+        super().__init__()
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = HyenaOperator(cfg, kind, layers)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg, layers)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def set_recompute(self, fn: Callable | None) -> None:
+        """Selective checkpointing: fn recomputes the operator's long convolution in backward; None keeps it."""
+        self.mixer.recompute_core = fn
+
+    def residual_projections(self) -> tuple[nn.Module, nn.Module]:
+        """The projections writing into the residual stream (scaled at initialisation)."""
+        return self.mixer.out_proj, self.mlp.w_down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.mixer(self.mixer_norm(x)))  # (B, T, d_model)
+        x = x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d_model)
+        return x
+
+
+class HyenaLM(BlockStack):
+    """A Hyena (hyena) or StripedHyena 2 (striped_hyena) language model for single-nucleotide DNA tokens (clm).
+
+    layers: the layer factory (model/layers.py), DenseLayers for a whole model or a tensor-parallel one for this
+    rank's shard; the same seed gives the same weights.
+    """
+
+    context_limit = "the implicit filters' positions end there"
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, layers: DenseLayers | None = None):
+        super().__init__()
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size={vocab_size}: must be positive")
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"--model.d_model={cfg.d_model} is not divisible by --model.n_head={cfg.n_head}")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size(vocab_size)
+        self.kinds = layer_kinds(cfg)
+
+        layers = layers or DenseLayers()
+        self.embed = layers.embedding(self.padded_vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            Block(cfg, layers) if kind == "A" else HyenaBlock(cfg, kind, layers) for kind in self.kinds
+        )
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=self.embed if cfg.tie_embeddings else None)
+        self.finish_init(layers)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """N(0, init_std) for the projections, MLPs and embedding, RMSNorm scales 1, and the GPT-2 residual rule
+        (the projections writing into the residual stream at init_std / sqrt(2 n_layer)); the filters keep their own
+        initialisation (operators.py), their MLP's linears included."""
+        for name, module in self.named_modules():
+            if ".filter" in name:
+                continue
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            else:
+                init_normal_(module, self.cfg.init_std)
+        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
+        for block in self.blocks:
+            for projection in block.residual_projections():
+                init_normal_(projection, residual_std)
+
+    def compile_blocks(self) -> None:
+        raise ValueError(f"--model.compile is not supported with --model.family={self.cfg.family}")
+
+    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1) -> None:
+        """Sequence parallelism is not implemented for the Hyena families (their rules refuse it before launch)."""
+        if size > 1:
+            raise ValueError(f"--parallel.sequence={size} is not supported with --model.family={self.cfg.family}")

@@ -1,0 +1,200 @@
+"""The Hyena operators (layer L1, plain torch): causal convolutions, the four long-filter parameterisations, and the
+gated operator that applies them.
+
+One operator, five filters. Given x (B, T, d): the input projection makes 3d channels laid out per head as
+(n_head, 3, head_size) -- (x2, x1, v) for each head, stripedhyena's column_split layout, so a tensor-parallel rank
+holding whole heads holds whole channels of all three -- a depthwise causal convolution of length
+--model.short_filter_len runs over them (the featurizer), and then
+
+    y = (h * (x1 . v) + D . x1 . v) . x2,     out = out_proj(y)
+
+with h * u the causal convolution y[t] = sum_{s <= t} h[s] u[t - s], per channel, and D a learned per-channel skip
+(HyenaDNA's filter bias). The filter h of each channel is what tells the operators apart:
+
+    H   HyenaDNA (Nguyen et al. 2023): an implicit filter, an MLP with sine activations over positional features
+        (t in [0, 1] and Fourier features of t, for --model.max_seq_len positions) times an exponential decay per
+        channel (decay rates spread between fast and slow as HyenaDNA's ExponentialModulation); by FFT
+    SE  StripedHyena 2's Hyena-SE (Evo 2, Brixi et al. 2025): an explicit filter of --model.se_filter_len taps; by
+        direct convolution
+    MR  Hyena-MR: an explicit filter of --model.mr_filter_len taps times an exponential decay; by direct convolution
+    LI  Hyena-LI: an implicit long filter in modal form, h[t] = Re(sum_s R_s exp(lambda_s t)) over --model.state_size
+        complex poles per channel, lambda_s = -exp(log_rate_s) + i theta_s (the pole's log: its magnitude
+        exp(-exp(log_rate)) stays inside the unit circle whatever the parameters, and a bf16 parameter keeps the decay
+        rate to 3 significant digits instead of rounding a magnitude 0.999 to 0.996); by FFT
+
+Every filter is computed in float32 from its parameters, and FFT convolutions run in float32 whatever the model's
+dtype (fft_conv), padded to 2T so that the circular convolution is the causal linear one. Filters are per channel
+(Evo 2 shares SE and MR filters over groups of channels; a group of 1 is the general case), so tensor parallelism
+splits them by channel like the projections.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megagenome.config import ModelConfig
+
+# HyenaDNA's filter defaults: Fourier features of the position (emb_dim 5: t and two complex bands), and the decay
+# of its ExponentialModulation: every channel's filter falls to TARGET within a fraction of the context between
+# FAST_DECAY and SLOW_DECAY.
+POSITION_FEATURES = 5
+DECAY_TARGET = 1e-2
+FAST_DECAY, SLOW_DECAY = 0.3, 1.5
+
+
+def fft_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The causal convolution y[..., c, t] = sum_{s <= t} h[c, s] u[..., c, t - s] of u (B, C, T) with filters h
+    (C, L), L <= T taps, by FFT in float32 (zero-padded to 2T: the circular product is then the linear convolution,
+    and its first T outputs the causal part). Returns float32 (B, C, T)."""
+    T = u.size(-1)
+    n = 2 * T
+    U = torch.fft.rfft(u.float(), n=n)  # (B, C, T + 1) complex
+    H = torch.fft.rfft(h.float(), n=n)  # (C, T + 1) complex
+    return torch.fft.irfft(U * H, n=n)[..., :T]  # (B, C, T)
+
+
+def direct_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The same causal convolution as fft_conv by a depthwise conv1d (left padding of L - 1 zeros, the filter
+    reversed: conv1d correlates), in u's dtype; u (B, C, T), h (C, L)."""
+    L = h.size(-1)
+    return F.conv1d(F.pad(u, (L - 1, 0)), h.flip(-1).unsqueeze(1).to(u.dtype), groups=u.size(1))  # (B, C, T)
+
+
+def exponential_decay(channels: int, positions: torch.Tensor) -> torch.Tensor:
+    """HyenaDNA's ExponentialModulation: exp(-|delta_c| t) with t = positions in [0, 1] and delta_c spread linearly
+    between log(TARGET)/SLOW_DECAY and log(TARGET)/FAST_DECAY over the channels; (channels, len(positions))."""
+    deltas = torch.linspace(math.log(DECAY_TARGET) / SLOW_DECAY, math.log(DECAY_TARGET) / FAST_DECAY, channels)
+    return torch.exp(-positions[None, :] * deltas.abs()[:, None].to(positions))  # (channels, L)
+
+
+class Sine(nn.Module):
+    """sin(freq * x), freq a learned (1, width) vector starting at 1 (HyenaDNA's Sin with train_freq)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.freq = nn.Parameter(torch.ones(1, width))
+        self.freq.no_weight_decay = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(self.freq * x)
+
+
+class ImplicitFilter(nn.Module):
+    """H: HyenaDNA's implicit filter over `channels` (this rank's) of `d` channels: an MLP of width w, Linear(5, w)
+    -> Sine -> Linear(w, w) -> Sine -> Linear(w, d) (the last one column-parallel: a rank computes its channels),
+    over the positional features of max_seq_len positions, times the exponential decay."""
+
+    def __init__(self, cfg: ModelConfig, layers):
+        super().__init__()
+        width, L = cfg.filter_width, cfg.max_seq_len
+        self.mlp = nn.Sequential(nn.Linear(POSITION_FEATURES, width), Sine(width), nn.Linear(width, width), Sine(width))
+        self.out = layers.column(width, cfg.d_model)  # (L, w) -> (L, channels)
+        t = torch.linspace(0, 1, L)  # (L,)
+        w = 2 * math.pi * torch.arange(L) / L  # (L,)
+        bands = torch.linspace(1e-4, (POSITION_FEATURES - 1) // 2 - 1, (POSITION_FEATURES - 1) // 2)  # (bands,)
+        z = torch.exp(-1j * bands[None, :] * w[:, None])  # (L, bands)
+        features = torch.cat([t[:, None], z.real, z.imag], dim=-1)  # (L, 5)
+        self.register_buffer("features", features, persistent=False)
+        self.register_buffer(
+            "decay", layers.channels(exponential_decay(cfg.d_model, t), False), persistent=False
+        )  # (channels, L)
+        for p in self.parameters():
+            p.no_weight_decay = True
+
+    def forward(self, T: int) -> torch.Tensor:
+        """The filters of the first T taps, float32 (channels, T)."""
+        h = self.out(self.mlp(self.features[:T].float()))  # (T, channels)
+        return h.float().t() * self.decay[:, :T].float()  # (channels, T)
+
+
+class ExplicitFilter(nn.Module):
+    """SE and MR: `length` free taps per channel, N(0, 1/length) at initialisation; MR (decay=True) times HyenaDNA's
+    exponential decay over its taps."""
+
+    def __init__(self, d: int, length: int, decay: bool, layers):
+        super().__init__()
+        self.h = layers.channels(torch.randn(d, length) / math.sqrt(length))  # (channels, length)
+        self.h.no_weight_decay = True
+        positions = torch.linspace(0, 1, length)
+        decay = layers.channels(exponential_decay(d, positions), False) if decay else None
+        self.register_buffer("decay", decay, persistent=False)
+
+    def forward(self, T: int) -> torch.Tensor:
+        h = self.h.float()
+        return h * self.decay.float() if self.decay is not None else h  # (channels, length)
+
+
+class ModalFilter(nn.Module):
+    """LI: h[c, t] = Re(sum_s R[c, s] exp(lambda[c, s] t)), lambda = -exp(log_rate) + i theta (module docstring).
+    At initialisation the decay rates are log-uniform between 1/max_seq_len and 1 (half-lives from under a base to
+    the whole context), the angles uniform in [0, pi), the residues N(0, 1/state_size)."""
+
+    def __init__(self, d: int, state_size: int, max_seq_len: int, layers):
+        super().__init__()
+        log_rates = torch.empty(d, state_size).uniform_(-math.log(max_seq_len), 0.0)
+        self.log_rate = layers.channels(log_rates)  # (channels, S)
+        self.theta = layers.channels(torch.rand(d, state_size) * math.pi)  # (channels, S)
+        self.residues = layers.channels(torch.randn(d, state_size, 2) / math.sqrt(state_size))  # (ch, S, re/im)
+        for p in (self.log_rate, self.theta, self.residues):
+            p.no_weight_decay = True
+
+    def forward(self, T: int) -> torch.Tensor:
+        t = torch.arange(T, device=self.theta.device, dtype=torch.float32)  # (T,)
+        decay = -self.log_rate.float().exp()[..., None] * t  # (channels, S, T)
+        angle = self.theta.float()[..., None] * t  # (channels, S, T)
+        re, im = self.residues.float().unbind(-1)  # 2 x (channels, S)
+        # Re(R exp(lambda t)) = exp(-rate t) (Re R cos(theta t) - Im R sin(theta t)), summed over the poles.
+        return (decay.exp() * (re[..., None] * angle.cos() - im[..., None] * angle.sin())).sum(1)  # (channels, T)
+
+
+class HyenaOperator(nn.Module):
+    """The gated Hyena operator with the filter of `kind` (H, SE, MR or LI; module docstring). `layers` is the
+    layer factory (model/layers.py), whose channels(tensor) is the parameter of this rank's block of a per-channel
+    tensor's rows (dim 0): the whole tensor for a dense model."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, layers):
+        super().__init__()
+        d = cfg.d_model
+        self.kind, self.head_size = kind, d // cfg.n_head
+        self.in_proj = layers.column(d, 3 * d)  # rows per head: (n_head, 3, head_size) = x2, x1, v
+        k = cfg.short_filter_len
+        self.short_filter = layers.channels(torch.randn(3 * d, k) / math.sqrt(k))  # (3 channels, k)
+        self.short_filter.no_weight_decay = True
+        if kind == "H":
+            self.filter = ImplicitFilter(cfg, layers)
+        elif kind == "LI":
+            self.filter = ModalFilter(d, cfg.state_size, cfg.max_seq_len, layers)
+        else:
+            length = cfg.se_filter_len if kind == "SE" else cfg.mr_filter_len
+            self.filter = ExplicitFilter(d, length, kind == "MR", layers)
+        self.D = layers.channels(torch.ones(d))  # (channels,)
+        self.D.no_weight_decay = True
+        self.out_proj = layers.row(d, d)
+        self.fft = kind in ("H", "LI")  # long filters by FFT, SE and MR taps directly
+        # Selective checkpointing (set by the block): fn(function, *args) recomputes the long convolution in
+        # backward, keeping only its inputs. None: keep what it saves.
+        self.recompute_core: Callable | None = None
+
+    def _core(self, u: torch.Tensor, h: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+        """h * u + D u, float32 (B, channels, T), for u = x1 . v (B, channels, T)."""
+        conv = fft_conv(u, h) if self.fft else direct_conv(u.float(), h)
+        return conv + u.float() * D.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        z = self.in_proj(x).transpose(1, 2)  # (B, 3 channels, T)
+        z = direct_conv(z, self.short_filter.float())  # (B, 3 channels, T): the featurizer
+        x2, x1, v = z.view(B, -1, 3, self.head_size, T).unbind(2)  # 3 x (B, heads, head_size, T)
+        x2, u = x2.reshape(B, -1, T), (x1 * v).reshape(B, -1, T)  # 2 x (B, channels, T)
+        h = self.filter(T)  # (channels, T or filter length), float32
+        core = self._core
+        if self.recompute_core is not None and torch.is_grad_enabled():
+            core = functools.partial(self.recompute_core, self._core)
+        y = core(u, h, self.D).to(x2.dtype) * x2  # (B, channels, T)
+        return self.out_proj(y.transpose(1, 2))  # (B, T, d)
