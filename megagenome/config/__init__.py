@@ -3,6 +3,7 @@
 - sections.py  one dataclass per concern (model, data, train, parallel, checkpoint, log) composed into RootConfig,
                and the data manifest's SourceConfig / ManifestConfig; standard library only
 - record.py    what a checkpoint records of the config (resume_record, config_hash) and what a resume may change
+- shapes.py    what a model config implies (d_ff, the operator of each layer) and the Hyena families' checks
 - checks.py    static validation of a config or a manifest: every problem at once, each naming its flag
 - load.py      YAML files + command-line flags -> RootConfig through jsonargparse (imported on demand: it is the
                one module here with a third-party import)
@@ -13,7 +14,6 @@ The names most code needs are importable from `megagenome.config` itself.
 from megagenome.config.checks import ConfigError, signal_number, validate, validate_manifest
 from megagenome.config.record import config_differences, config_hash, resume_record
 from megagenome.config.sections import (
-    LAYER_KINDS,
     CheckpointConfig,
     DataConfig,
     LogConfig,
@@ -24,11 +24,10 @@ from megagenome.config.sections import (
     RootConfig,
     SourceConfig,
     TrainConfig,
-    d_ff,
-    layer_kinds,
     parse_region,
     to_dict,
 )
+from megagenome.config.shapes import LAYER_KINDS, d_ff, layer_kinds
 
 __all__ = [
     "CheckpointConfig",

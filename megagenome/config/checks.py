@@ -14,7 +14,6 @@ import re
 import signal
 
 from megagenome.config.sections import (
-    LAYER_KINDS,
     CheckpointConfig,
     DataConfig,
     LogConfig,
@@ -24,6 +23,7 @@ from megagenome.config.sections import (
     TrainConfig,
     parse_region,
 )
+from megagenome.config.shapes import hyena_problems
 
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -47,6 +47,7 @@ def validate(cfg: RootConfig) -> list[str]:
         + _checkpoint_problems(cfg.checkpoint, cfg.train)
         + _log_problems(cfg.log)
         + _distill_problems(cfg)
+        + _family_optimizer_problems(cfg)
         + _spike_problems(cfg)
         + _compile_problems(cfg)
     )
@@ -70,6 +71,18 @@ def _compile_problems(cfg: RootConfig) -> list[str]:
         for name, why in reasons.items()
         if getattr(p, name) > 1
     ]
+
+
+def _family_optimizer_problems(cfg: RootConfig) -> list[str]:
+    """Muon orthogonalises the update of every 2-D parameter DeepSpeed tags (2-D and not named embed or lm_head),
+    which for the Hyena families takes in their filters' taps and poles, per-channel vectors that are not linear
+    maps."""
+    if cfg.train.optimizer == "muon" and cfg.model.family != "transformer":
+        return [
+            f"--train.optimizer=muon with --model.family={cfg.model.family}: Muon's orthogonalised update would take "
+            "in the Hyena filters (2-D per-channel taps and poles, not matrices); use adamw, lamb or adafactor"
+        ]
+    return []
 
 
 def _spike_problems(cfg: RootConfig) -> list[str]:
@@ -127,37 +140,7 @@ def _model_problems(m: ModelConfig) -> list[str]:
         )
     if m.d_ff is not None and m.d_ff <= 0:
         problems.append(f"--model.d_ff={m.d_ff}: must be positive")
-    return problems + _within_unit([("model.dropout", m.dropout)]) + _rope_problems(m) + _hyena_problems(m)
-
-
-def _hyena_problems(m: ModelConfig) -> list[str]:
-    """The Hyena families' own keys (model/hyena/): lengths positive, the layer pattern made of known operators."""
-    if m.family == "transformer":
-        return []
-    problems = _positive(
-        [("model.short_filter_len", m.short_filter_len), ("model.se_filter_len", m.se_filter_len)]
-        + [("model.mr_filter_len", m.mr_filter_len), ("model.state_size", m.state_size)]
-        + [("model.filter_width", m.filter_width)]
-    )
-    if m.family == "striped_hyena":
-        tokens = m.layer_pattern.replace(",", " ").split()
-        unknown = sorted({t for t in tokens if t not in LAYER_KINDS})
-        if not tokens or unknown:
-            problems.append(
-                f"--model.layer_pattern={m.layer_pattern!r}: expected operators among {', '.join(LAYER_KINDS)} "
-                f"separated by spaces or commas{'; unknown: ' + ', '.join(unknown) if unknown else ''}"
-            )
-    if m.objective != "clm":
-        problems.append(
-            f"--model.objective={m.objective} with --model.family={m.family}: Hyena operators are causal "
-            "convolutions; a masked objective needs a bidirectional family"
-        )
-    if m.compile:
-        problems.append(
-            f"--model.compile with --model.family={m.family}: the Hyena filters are complex-valued and FFT-based, "
-            "which inductor does not compile as one graph; drop --model.compile"
-        )
-    return problems
+    return problems + _within_unit([("model.dropout", m.dropout)]) + _rope_problems(m) + hyena_problems(m)
 
 
 def _rope_problems(m: ModelConfig) -> list[str]:

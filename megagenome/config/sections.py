@@ -442,29 +442,6 @@ def parse_region(text: str) -> Region:
     return Region(m["contig"], start - 1, end)
 
 
-# The operators of --model.layer_pattern (model/hyena/operators.py).
-LAYER_KINDS = ("SE", "MR", "LI", "A")
-
-
-def layer_kinds(m: ModelConfig) -> list[str]:
-    """The operator of each of the model's layers: "H" (HyenaDNA's operator) for every layer of the hyena family,
-    --model.layer_pattern repeated to --model.n_layer layers for striped_hyena, "A" (attention) for the transformer."""
-    if m.family == "hyena":
-        return ["H"] * max(m.n_layer, 0)
-    if m.family == "transformer":
-        return ["A"] * max(m.n_layer, 0)
-    pattern = m.layer_pattern.replace(",", " ").split()
-    return [pattern[i % len(pattern)] for i in range(max(m.n_layer, 0))] if pattern else []
-
-
-def d_ff(model: ModelConfig) -> int:
-    """Hidden width of the SwiGLU MLP (the LLaMA rule: 2/3 of 4*d, rounded up to 64)."""
-    if model.d_ff is not None:
-        return model.d_ff
-    hidden = int(8 * model.d_model / 3)
-    return 64 * ((hidden + 63) // 64)
-
-
 def to_dict(cfg) -> dict:
     """Plain nested dict of a config dataclass (what config.yaml holds)."""
     return dataclasses.asdict(cfg)

@@ -27,8 +27,9 @@ consolidation, export, quantization and inference all ask the family. What it an
     shape_problems(cfg)                 what keeps the cost model from being defined (the planner reports it)
     run_flops(cfg, ...)                 a run's FLOPs per token, model and hardware, in both conventions (MFU, HFU)
     quantizable(name)                   which linears INT8 export quantizes
-    huggingface(cfg)                    the Hugging Face form of an export (weight names and config.json both ways),
-                                        or None when the family has none for this config
+    huggingface(cfg)                    the Hugging Face form of an export (weight names and config.json both ways;
+                                        a form with trust_remote_code also gives code_files(), the modeling and
+                                        configuration files written into the export), or None when there is none
     describe(cfg)                       one line of the model's shape, for model cards and reports
 
 The module build() returns (the LanguageModel protocol below) is what training, evaluation and inference call.
@@ -64,14 +65,15 @@ class ParallelRules:
     --parallel.sequence x --parallel.tensor must divide (what each sequence-parallel rank holds whole over the full
     sequence); pipeline_units: how many pipeline layers of the repeated kind there are and what one is called (every
     stage needs at least one); pipeline_classes: the class names of the pipeline's layers that
-    --parallel.pipeline_partition type:NAME may match, dense and under tensor parallelism; sequence_refusal: the
-    reason a family without sequence parallelism gives when --parallel.sequence > 1."""
+    --parallel.pipeline_partition type:NAME may match, dense and under tensor parallelism; sequence_min_chunk: the
+    positions each sequence-parallel rank's chunk must hold at least, and why."""
 
     tensor: tuple[Divisible, ...]
     sequence: tuple[Divisible, ...]
     pipeline_units: tuple[str, int, str]  # (flag, count, what one unit is): ("--model.n_layer", 4, "transformer block")
     pipeline_classes: tuple[tuple[str, ...], tuple[str, ...]]
-    sequence_refusal: str | None = None  # why --parallel.sequence > 1 is refused for this family (None: it is not)
+    # (positions, why): the fewest positions a sequence-parallel chunk may hold (a convolution's halo), 0: any
+    sequence_min_chunk: tuple[int, str] = (0, "")
 
 
 @dataclass
@@ -113,7 +115,10 @@ class LanguageModel(Protocol):
 
     def set_checkpoint_function(self, fn: Callable | None) -> None: ...
 
-    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1) -> None: ...
+    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1, exchange=None) -> None:
+        """Chunk `rank` of `size` of every sequence: attention(core, q, k, v) runs an attention core over the whole
+        sequence (DeepSpeed-Ulysses), exchange (parallel/sequence_conv.py ConvExchange) carries convolutions
+        across chunks; each family uses what its layers need."""
 
     def set_teacher(self, teacher) -> None: ...
 

@@ -232,6 +232,11 @@ def _model_line(summary: dict, model: dict, data: dict) -> str:
         for k, label in (("n_layer", "layers"), ("d_model", "d_model"), ("n_head", "heads"))
         if model.get(k) is not None
     ]
+    if model.get("family", "transformer") != "transformer":  # a Hyena family: its name and its layer pattern
+        pattern = (
+            f" ({model['layer_pattern']})" if model["family"] == "striped_hyena" and model.get("layer_pattern") else ""
+        )
+        shape.insert(0, f"{model['family']}{pattern}")
     if data.get("seq_len"):
         shape.append(f"windows of {data['seq_len']} tokens")
     return size + (": " + ", ".join(shape) if shape else "")

@@ -1,39 +1,73 @@
-"""The Hyena families' cost model (layer L1, pure arithmetic): parameters and FLOPs per token of each operator, for
-the planner (planner/) and the FLOP accounting behind MFU.
+"""The Hyena families' cost model (layer L1, pure arithmetic): parameter tensors and FLOPs per token of each
+operator, for the planner (planner/) and the FLOP accounting behind MFU; activation and elementwise bytes are
+activations.py's (HyenaShape's methods delegate to it).
+
+Parameters, in model order (HyenaLM.named_parameters; tied head once), with d = d_model, f = d_ff, k =
+short_filter_len, w = filter_width, S = state_size and t the tensor-parallel degree: the embedding (V/t, d); per
+Hyena block its norm (d), the featurizer's taps (3d/t, k), D (d/t), in_proj (3d/t, d), the filter, out_proj (d, d/t),
+the MLP's norm (d) and SwiGLU (f/t, d) x 2 + (d, f/t); per attention block the transformer's; the final norm (d).
+Filters: SE and MR (d/t, filter length); LI log_rate and theta (d/t, S) and residues (d/t, S, 2); H the MLP
+Linear(5, w) + bias, freq (1, w), Linear(w, w) + bias, freq (1, w), replicated, and its column-parallel out (d/t, w).
+Weight decay as BlockStack.param_groups: matrices decay, vectors and every filter parameter (no_weight_decay) not.
 
 FLOPs per token (a multiply-accumulate is 2 FLOPs; training = forward + backward = 3 x forward for every term, as the
-transformer's 6N counts a weight's matmul, model/transformer/flops.py), with d = d_model, f = d_ff, T the sequence
-length, n = 2T the FFT length:
+transformer's 6N counts a weight's matmul, model/transformer/flops.py), with T the sequence length and n = 2T the
+FFT length; "counted" marks what torch.utils.flop_counter.FlopCounterMode sees on the real model's forward
+(mm, addmm, bmm, convolution; tests/test_hyena_costs.py checks those terms against it exactly):
 
     projections   2 x (3d^2 + d^2) forward: in_proj and out_proj of every Hyena layer (an attention layer's qkv and
                   proj are the same 4d^2); the SwiGLU MLP 2 x 3df; the LM head 2 x d x padded vocabulary (the
                   embedding is a lookup; it is counted only when it is the tied head, as the transformer's 6N does)
-    featurizer    2 x 3d x short_filter_len: the depthwise causal convolution over the 3d projected channels
-    SE, MR        2 x d x filter length: a direct causal convolution per channel
-    H, LI by FFT  per channel, a real FFT of the input and an inverse one, 2.5 n log2 n FLOPs each (the split-radix
-                  count, 5/2 n log2 n for a real transform of length n), and the spectrum product, 6 FLOPs per
-                  complex multiply over n/2 + 1 bins, divided over the T tokens: (5 n log2 n + 6 (n/2 + 1)) d / T.
-                  The filter's own transform, once per micro batch and channel, is counted per sequence (for a
-                  micro batch of 1, an upper bound): 2.5 n log2 n d / T
-    filters       per micro batch: LI's modal sum, 10 FLOPs per channel, pole and tap (two exponentials' worth of
-                  work counted as 4, a cos and a sin as 4, the real part's products and sum 2); H's MLP,
-                  2 x (5w + w^2 + w d) per position plus its decay product d; both per sequence
+                  (counted)
+    featurizer    2 x 3d x k: the depthwise causal convolution over the 3d projected channels (counted)
+    SE, MR        at most DIRECT_MAX_TAPS taps (operators.py; SE's 7): 2 x d x taps, a direct causal convolution
+                  per channel, every tap, also those past T (counted); longer (MR's 128): by FFT, as H and LI
+    by FFT        per channel a real FFT of the input and an inverse one, 2.5 n log2 n FLOPs each (FFTW's
+                  convention for a real transform of length n), and the spectrum product, 6 FLOPs per complex
+                  multiply over n/2 + 1 bins, divided over the T tokens: (5 n log2 n + 6 (n/2 + 1)) d / T; the
+                  filter's own transform (of its taps zero-padded to n), 2.5 n log2 n d / T (FlopCounterMode
+                  counts no FFT: the test records the transforms and products that run and prices them with this
+                  convention)
+    filters       H's MLP over the T positions, 2 x (5w + w^2 + w d) per position (counted), and its decay
+                  product, d; LI's modal sum, 10 FLOPs per channel, pole and position (two exponentials' worth of
+                  work counted as 4, a cos and a sin as 4, the real part's products and sum 2), elementwise, not
+                  counted; its kernel (operators.py _ModalKernel) reruns it in backward, which is not counted as
+                  recomputation either (10dS per position: 0.3% of an LI block's FLOPs at Evo 2 1B's shape); MR's
+                  decay product, d x taps per micro batch, left out
     gating        x1 . v, D u, + and . x2: 4d elementwise, not counted (as norms and residuals are not)
     attention     the transformer's cores, 2 x 2dT forward per attention layer counting every score, half causal
+                  (counted with SDPA's flop formula)
 
-so the O(T log T) of a long convolution against attention's O(T^2) is in the count itself.
+Per sequence: the filters and the filter's transform are computed once per micro batch, whatever its size b, and
+are counted per sequence, i.e. for b = 1 (an upper bound by (b - 1)/b of those terms; a micro batch of b runs
+forward_flops_per_token - (1 - 1/b) per_micro_batch_flops per token). So the O(T log T) of a long convolution
+against attention's O(T^2) is in the count itself.
+
+6N against this count: a direct convolution's taps, the featurizer's and the H filter MLP's weights each do one
+multiply-accumulate per token (per position), so 6N, which planner/breakdown.py prices at the matmul rate, holds them
+exactly; it prices an MR filter by FFT as the direct convolution of its taps (2 x 128 d forward, where the
+transforms do about 15 log2(2T) d: 216d at 8k, 276d at 131k) and LI's 4S parameters per channel for its 10S
+elementwise FLOPs; the FFTs' bytes are in the elementwise term too (activations.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megagenome.config import ModelConfig, d_ff, layer_kinds
+from megagenome.model.hyena import activations
+from megagenome.model.hyena.operators import DIRECT_MAX_TAPS
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer import flops as transformer_flops
 
 POSITION_FEATURES = 5  # operators.py: the implicit filter's input features
+# Forward terms of operator_forward_flops that FlopCounterMode counts (matmuls and convolutions), that a selective
+# checkpoint reruns (the operator's core: the long convolution and D u, the attention core), and that are computed
+# once per micro batch (counted per sequence).
+COUNTED_TERMS = ("featurizer", "direct_conv", "filter_mlp", "attention")
+CORE_TERMS = ("fft_conv", "filter_fft", "direct_conv", "attention")
+PER_MICRO_BATCH_TERMS = ("filter_fft", "filter_mlp", "filter")
 
 
 @dataclass(frozen=True)
@@ -85,10 +119,68 @@ class HyenaShape:
     def n_attention(self) -> int:
         return self.kinds.count("A")
 
+    def by_fft(self, kind: str) -> bool:
+        """Whether a Hyena layer of `kind` convolves by FFT (operators.py by_fft): H and LI always, SE and MR above
+        DIRECT_MAX_TAPS taps."""
+        if kind in ("H", "LI"):
+            return True
+        return kind in ("SE", "MR") and self.taps(kind) > DIRECT_MAX_TAPS
+
+    def taps(self, kind: str) -> int:
+        """An explicit filter's length (SE, MR); the implicit ones (H, LI) have as many taps as positions."""
+        return self.se_filter_len if kind == "SE" else self.mr_filter_len
+
     def describe(self) -> str:
         """The shape as `megagenome plan` prints it."""
         counts = ", ".join(f"{self.kinds.count(k)} {k}" for k in ("H", "SE", "MR", "LI", "A") if k in self.kinds)
         return f"{self.family}: d_model {self.d_model}, {self.n_layer} layers ({counts}), d_ff {self.d_ff}"
+
+    # ----- parameters ----------------------------------------------------------------------------------------------
+
+    def param_table(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool, bool]]:
+        """(shape one of `tp` tensor-parallel ranks holds, decays, is a vocabulary matrix) of each parameter tensor in
+        model order (module docstring)."""
+        return param_table(self, tp)
+
+    def param_numels(self, tp: int = 1) -> list[int]:
+        """Elements of each parameter tensor one of `tp` tensor-parallel ranks holds, in model order."""
+        return [math.prod(s) for s, _, _ in self.param_table(tp)]
+
+    def param_groups(self, tp: int = 1) -> tuple[list[int], list[int]]:
+        """Elements of the parameters in the optimizer's two groups (decay, no decay), in model order."""
+        table = self.param_table(tp)
+        return [math.prod(s) for s, d, _ in table if d], [math.prod(s) for s, d, _ in table if not d]
+
+    def param_shapes(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
+        """(shape, is a hidden matrix: 2-D and not a vocabulary matrix, what Muon takes) of each parameter a rank
+        holds: what optimizer-state bytes depend on (train/optimizers.py tag_muon's rule)."""
+        return [(s, len(s) == 2 and not vocab) for s, _, vocab in self.param_table(tp)]
+
+    def n_params(self, tp: int = 1) -> int:
+        return sum(self.param_numels(tp))
+
+    def block_params(self, tp: int = 1) -> int:
+        """Parameters of the largest block (what ZeRO-3 gathers at once)."""
+        return max(sum(math.prod(s) for s in block_param_shapes(self, kind, tp)) for kind in set(self.kinds))
+
+    # ----- activation and elementwise bytes (activations.py) --------------------------------------------------------
+
+    def activation_bytes(self, seq: int, micro: int, policy: str, act_bytes: int, **kwargs) -> dict[str, int]:
+        """Saved-activation bytes of one micro batch under a checkpointing policy (activations.activation_bytes)."""
+        return activations.activation_bytes(self, seq, micro, policy, act_bytes, **kwargs)
+
+    def elementwise_bytes_per_token(self, fused: bool, tp: int = 1, forward_runs: int = 1) -> float:
+        """Bytes per token moved by elementwise work, FFTs and depthwise convolutions included (activations.py):
+        every block's forward `forward_runs` times and its backward once, plus the final norm and the loss."""
+        return activations.elementwise_bytes_per_token(self, fused, tp, forward_runs)
+
+    def tensor_parallel_traffic(self, micro: int, seq: int, act_bytes: int, policy: str) -> tuple[int, int]:
+        """(all-reduces per micro batch, bytes each): as the transformer's, two forward (out_proj or proj, w_down)
+        and two backward (in_proj or qkv, w_gate/w_up inputs) per block, two more per recomputed forward. The H
+        filter MLP's column-parallel output adds one backward all-reduce of T x filter_width per H layer and micro
+        batch, left out (filter_width / (b d) of a block's)."""
+        per_layer = 4 + (2 if policy in ("full", "every_k") else 0)
+        return self.n_layer * per_layer, micro * seq * self.d_model * act_bytes
 
     # ----- FLOPs ---------------------------------------------------------------------------------------------------
 
@@ -98,32 +190,45 @@ class HyenaShape:
         return self.n_layer * (4 * d * d + 3 * d * self.d_ff) + self.padded_vocab * d
 
     def operator_forward_flops(self, kind: str, seq: int) -> dict[str, float]:
-        """Forward FLOPs per token of one layer's mixer beyond its projections, by term (module docstring)."""
+        """Forward FLOPs per token of one layer's mixer beyond its projections, by term (module docstring); the
+        PER_MICRO_BATCH_TERMS per sequence."""
         d = self.d_model
         if kind == "A":
             return {"attention": transformer_flops.attention_core_forward_flops_per_token(1, d, seq, self.causal)}
         out = {"featurizer": 2.0 * 3 * d * self.short_filter_len}
-        if kind in ("SE", "MR"):
-            out["direct_conv"] = 2.0 * d * (self.se_filter_len if kind == "SE" else self.mr_filter_len)
+        if not self.by_fft(kind):
+            out["direct_conv"] = 2.0 * d * self.taps(kind)
             return out
         n = 2 * seq
-        fft = 2.5 * n * math.log2(n)
-        out["fft_conv"] = (2 * fft + 6.0 * (n // 2 + 1)) * d / seq + fft * d / seq
+        fft = 2.5 * n * math.log2(n)  # one real transform of length n, per channel
+        out["fft_conv"] = (2 * fft + 6.0 * (n // 2 + 1)) * d / seq
+        out["filter_fft"] = fft * d / seq
+        if kind in ("SE", "MR"):
+            return out
         if kind == "LI":
             out["filter"] = 10.0 * d * self.state_size
         else:
             w = self.filter_width
-            out["filter"] = 2.0 * (POSITION_FEATURES * w + w * w + w * d) + d
+            out["filter_mlp"] = 2.0 * (POSITION_FEATURES * w + w * w + w * d)
+            out["filter"] = float(d)
         return out
 
     def forward_flops_per_token(self, seq: int) -> float:
-        """Forward FLOPs per token of the whole model at sequence length seq."""
+        """Forward FLOPs per token of the whole model at sequence length seq (micro batch 1 for the per-sequence
+        terms: module docstring)."""
         mixers = sum(sum(self.operator_forward_flops(k, seq).values()) for k in self.kinds)
         return 2.0 * self.matmul_params() + mixers
 
+    def per_micro_batch_flops(self, seq: int) -> float:
+        """The forward FLOPs per token of forward_flops_per_token that are computed once per micro batch (the
+        filters and their transforms), counted per sequence."""
+        return sum(
+            v for k in self.kinds for t, v in self.operator_forward_flops(k, seq).items() if t in PER_MICRO_BATCH_TERMS
+        )
+
     def flops_per_token(self, seq: int, causal: bool | None = None) -> float:
         """Training FLOPs per token (3 x forward), attention in this shape's convention unless `causal` says."""
-        shape = self if causal is None or causal == self.causal else _with_causal(self, causal)
+        shape = self if causal is None or causal == self.causal else replace(self, causal=causal)
         return 3.0 * shape.forward_flops_per_token(seq)
 
     def attention_flops_per_token(self, seq: int) -> float:
@@ -140,14 +245,15 @@ class HyenaShape:
     def recompute_flops_per_token(self, seq: int, policy: str, early_stop: bool = True, every: int = 1) -> float:
         """Forward FLOPs per token that --model.checkpointing reruns in backward: full and every_k rerun every block
         (early_stop: torch's checkpoint skips each segment's last w_down when there is no dropout), selective reruns
-        each Hyena layer's long convolution (and each attention core)."""
+        each Hyena layer's core (the long convolution, the filter's transform included, and D u; the filter itself
+        and the featurizer run once) and each attention core."""
         d = self.d_model
         if policy == "none":
             return 0.0
         if policy == "selective":
-            core = ("fft_conv", "direct_conv", "attention")
             return sum(
-                sum(v for k, v in self.operator_forward_flops(kind, seq).items() if k in core) for kind in self.kinds
+                sum(v for k, v in self.operator_forward_flops(kind, seq).items() if k in CORE_TERMS)
+                for kind in self.kinds
             )
         extra = sum(self.block_forward_flops(kind, seq) for kind in self.kinds)
         if early_stop and self.dropout == 0:
@@ -162,7 +268,7 @@ class HyenaShape:
         run at seq (model/family.py run_flops); pipeline: DeepSpeed's stages rerun the whole forward."""
         out = []
         for causal in (True, False):
-            shape = _with_causal(self, causal)
+            shape = replace(self, causal=causal)
             model = shape.flops_per_token(seq)
             rerun = shape.recompute_flops_per_token(seq, policy, early_stop, every)
             if pipeline:
@@ -171,7 +277,38 @@ class HyenaShape:
         return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def _with_causal(shape: HyenaShape, causal: bool) -> HyenaShape:
-    from dataclasses import replace
+def filter_param_shapes(shape: HyenaShape, kind: str, tp: int = 1) -> list[tuple[int, ...]]:
+    """The parameter shapes of one Hyena layer's filter on one rank, in model order (module docstring)."""
+    c, w, S = shape.d_model // tp, shape.filter_width, shape.state_size
+    if kind == "H":
+        return [(w, POSITION_FEATURES), (w,), (1, w), (w, w), (w,), (1, w), (c, w)]
+    if kind == "LI":
+        return [(c, S), (c, S), (c, S, 2)]
+    return [(c, shape.se_filter_len if kind == "SE" else shape.mr_filter_len)]
 
-    return replace(shape, causal=causal)
+
+def block_param_table(shape: HyenaShape, kind: str, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape on one rank, decays) of one block's parameters in model order: a Hyena block (mixer_norm, the
+    operator's short_filter, D, in_proj, filter, out_proj, then the MLP) or an attention block (the transformer's)."""
+    d, f = shape.d_model, shape.d_ff
+    mlp = [((d,), False), ((f // tp, d), True), ((f // tp, d), True), ((d, f // tp), True)]
+    if kind == "A":
+        return [((d,), False), ((3 * d // tp, d), True), ((d, d // tp), True), *mlp]
+    mixer = [((d,), False), ((3 * d // tp, shape.short_filter_len), False), ((d // tp,), False)]
+    mixer.append(((3 * d // tp, d), True))
+    mixer += [(s, False) for s in filter_param_shapes(shape, kind, tp)]  # no_weight_decay
+    return [*mixer, ((d, d // tp), True), *mlp]
+
+
+def block_param_shapes(shape: HyenaShape, kind: str, tp: int = 1) -> list[tuple[int, ...]]:
+    return [s for s, _ in block_param_table(shape, kind, tp)]
+
+
+def param_table(shape: HyenaShape, tp: int = 1) -> list[tuple[tuple[int, ...], bool, bool]]:
+    """HyenaShape.param_table: embedding, blocks, final norm, untied head."""
+    vocab = ((shape.padded_vocab // tp, shape.d_model), True, True)
+    out = [vocab]
+    for kind in shape.kinds:
+        out += [(s, decays, False) for s, decays in block_param_table(shape, kind, tp)]
+    out.append(((shape.d_model,), False, False))
+    return out if shape.tie_embeddings else [*out, vocab]

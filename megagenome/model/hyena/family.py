@@ -4,7 +4,8 @@ order of --model.layer_pattern).
 
 What the rest of megagenome knows of them is answered here: tensor parallelism splits the projections as the
 transformer's (in_proj column-parallel with whole heads of (x2, x1, v) per rank, out_proj row-parallel) and every
-filter by channel; sequence parallelism is refused before launch; the pipeline's layers are the blocks; INT8 takes
+filter by channel; sequence parallelism carries the convolutions across chunks (parallel/sequence_conv.py), which
+needs chunks at least as long as the direct filters' halos; the pipeline's layers are the blocks; INT8 takes
 the linears of the blocks; the cost model is costs.py's.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from megagenome.config import ModelConfig, d_ff, layer_kinds
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
 from megagenome.model.hyena.model import HyenaLM
+from megagenome.model.hyena.operators import by_fft
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.family import TRANSFORMER
 
@@ -79,16 +81,19 @@ class HyenaFamily(ModelFamily):
         blocks = ("HyenaBlock", "Block") if "A" in layer_kinds(cfg) else ("HyenaBlock",)
         dense = ("Embedding", *blocks, "RMSNorm", *untied)
         sharded = ("VocabParallelEmbedding", *blocks, "RMSNorm", *(f"ColumnParallel{c}" for c in untied))
+        whole = ": sequence parallelism gives each rank whole heads' channels of the long convolutions (and whole "
+        whole += "attention heads) over the full sequence"
+        kinds = layer_kinds(cfg)
+        taps = [cfg.short_filter_len]  # the featurizer's, and each explicit filter convolved directly
+        taps += [cfg.se_filter_len] if "SE" in kinds and not by_fft(cfg, "SE") else []
+        taps += [cfg.mr_filter_len] if "MR" in kinds and not by_fft(cfg, "MR") else []
+        halo = (max(taps) - 1, "the longest direct filter's taps before a chunk must all come from the previous rank")
         return ParallelRules(
             tensor,
-            (),
+            (Divisible(heads, max(cfg.n_head, 0), whole),),
             ("--model.n_layer", cfg.n_layer, f"{self.name} block"),
             (dense, sharded),
-            sequence_refusal=(
-                f"--model.family={self.name} has no sequence parallelism yet (its long convolutions would need an "
-                "all-to-all from sequence to channel split, its short ones a halo exchange); use data, tensor or "
-                "pipeline parallelism"
-            ),
+            sequence_min_chunk=halo,
         )
 
     def pipeline_prefixes(self, cfg: ModelConfig) -> list[str]:
@@ -112,6 +117,13 @@ class HyenaFamily(ModelFamily):
     def quantizable(self, name: str) -> bool:
         """The linears of the blocks (projections and MLPs; the filters' own MLP stays, as do embedding and norms)."""
         return name.startswith("blocks.") and ".filter." not in name
+
+    def huggingface(self, cfg: ModelConfig):
+        """The export's Hugging Face form: megagenome's weight names and remote code of its own (hf.py), since
+        transformers has no architecture that computes this model."""
+        from megagenome.model.hyena.hf import HyenaForm
+
+        return HyenaForm(cfg)
 
     def describe(self, cfg: ModelConfig) -> str:
         kinds = layer_kinds(cfg)

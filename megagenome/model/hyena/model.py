@@ -41,6 +41,11 @@ class HyenaBlock(nn.Module):
         """The projections writing into the residual stream (scaled at initialisation)."""
         return self.mixer.out_proj, self.mlp.w_down
 
+    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, exchange=None) -> None:
+        """Sequence parallelism: the operator's convolutions across chunks through `exchange`; None: whole
+        sequences. (attention and rank are the attention blocks'; a Hyena block needs neither.)"""
+        self.mixer.exchange = exchange
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.mixer(self.mixer_norm(x)))  # (B, T, d_model)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d_model)
@@ -96,7 +101,20 @@ class HyenaLM(BlockStack):
     def compile_blocks(self) -> None:
         raise ValueError(f"--model.compile is not supported with --model.family={self.cfg.family}")
 
-    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1) -> None:
-        """Sequence parallelism is not implemented for the Hyena families (their rules refuse it before launch)."""
-        if size > 1:
-            raise ValueError(f"--parallel.sequence={size} is not supported with --model.family={self.cfg.family}")
+    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1, exchange=None) -> None:
+        """Install sequence parallelism: this rank holds chunk `rank` of `size` equal chunks of every sequence.
+        attention(core, q, k, v) is the attention blocks' (DNATransformer.set_sequence_parallel's), `exchange` the
+        Hyena operators' (parallel/sequence_conv.py ConvExchange: halos for the direct convolutions, all-to-alls
+        from sequence to channel split and back for the FFT ones). None (or size 1) restores whole sequences."""
+        if size > 1 and (exchange is None or ("A" in self.kinds and attention is None) or not 0 <= rank < size):
+            raise ValueError(
+                f"sequence parallelism of --model.family={self.cfg.family} needs a convolution exchange (and an "
+                f"attention function when it has attention layers) and 0 <= rank < {size}, got {rank}"
+            )
+        on = size > 1
+        self.sequence_parallel_size = size if on else 1
+        for block in self.blocks:
+            if isinstance(block, HyenaBlock):
+                block.set_sequence_parallel(None, 0, exchange if on else None)
+            else:
+                block.set_sequence_parallel(attention if on else None, rank if on else 0)

@@ -15,8 +15,9 @@ with h * u the causal convolution y[t] = sum_{s <= t} h[s] u[t - s], per channel
         (t in [0, 1] and Fourier features of t, for --model.max_seq_len positions) times an exponential decay per
         channel (decay rates spread between fast and slow as HyenaDNA's ExponentialModulation); by FFT
     SE  StripedHyena 2's Hyena-SE (Evo 2, Brixi et al. 2025): an explicit filter of --model.se_filter_len taps; by
-        direct convolution
-    MR  Hyena-MR: an explicit filter of --model.mr_filter_len taps times an exponential decay; by direct convolution
+        direct convolution (by FFT above DIRECT_MAX_TAPS taps)
+    MR  Hyena-MR: an explicit filter of --model.mr_filter_len taps times an exponential decay; by FFT (by direct
+        convolution at DIRECT_MAX_TAPS taps or fewer)
     LI  Hyena-LI: an implicit long filter in modal form, h[t] = Re(sum_s R_s exp(lambda_s t)) over --model.state_size
         complex poles per channel, lambda_s = -exp(log_rate_s) + i theta_s (the pole's log: its magnitude
         exp(-exp(log_rate)) stays inside the unit circle whatever the parameters, and a bf16 parameter keeps the decay
@@ -46,16 +47,30 @@ from megagenome.config import ModelConfig
 POSITION_FEATURES = 5
 DECAY_TARGET = 1e-2
 FAST_DECAY, SLOW_DECAY = 0.3, 1.5
+# Explicit filters longer than this run by FFT, shorter ones by direct convolution (the same causal convolution,
+# tested equal): on a 2-core CPU the striped default's 128-tap MR layers step 1.3-2x faster by FFT, the 7-tap SE
+# and the 3-tap featurizer are faster direct.
+DIRECT_MAX_TAPS = 32
+
+
+def by_fft(cfg: ModelConfig, kind: str) -> bool:
+    """Whether a layer of `kind` convolves by FFT: the implicit filters (H, LI) always, SE and MR above
+    DIRECT_MAX_TAPS taps."""
+    if kind in ("H", "LI"):
+        return True
+    return (cfg.se_filter_len if kind == "SE" else cfg.mr_filter_len) > DIRECT_MAX_TAPS
 
 
 def fft_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """The causal convolution y[..., c, t] = sum_{s <= t} h[c, s] u[..., c, t - s] of u (B, C, T) with filters h
-    (C, L), L <= T taps, by FFT in float32 (zero-padded to 2T: the circular product is then the linear convolution,
-    and its first T outputs the causal part). Returns float32 (B, C, T)."""
+    (C, L), by FFT in float32 (zero-padded to 2T: the circular product is then the linear convolution, and its first
+    T outputs the causal part). Taps from T on reach no causal output and are dropped: kept, the circular product
+    would wrap them onto the first outputs, from later inputs (an MR filter's 128 taps over a 64-base window).
+    Returns float32 (B, C, T)."""
     T = u.size(-1)
     n = 2 * T
     U = torch.fft.rfft(u.float(), n=n)  # (B, C, T + 1) complex
-    H = torch.fft.rfft(h.float(), n=n)  # (C, T + 1) complex
+    H = torch.fft.rfft(h[..., :T].float(), n=n)  # (C, T + 1) complex
     return torch.fft.irfft(U * H, n=n)[..., :T]  # (B, C, T)
 
 
@@ -69,7 +84,8 @@ def direct_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 def exponential_decay(channels: int, positions: torch.Tensor) -> torch.Tensor:
     """HyenaDNA's ExponentialModulation: exp(-|delta_c| t) with t = positions in [0, 1] and delta_c spread linearly
     between log(TARGET)/SLOW_DECAY and log(TARGET)/FAST_DECAY over the channels; (channels, len(positions))."""
-    deltas = torch.linspace(math.log(DECAY_TARGET) / SLOW_DECAY, math.log(DECAY_TARGET) / FAST_DECAY, channels)
+    deltas = torch.linspace(math.log(DECAY_TARGET) / SLOW_DECAY, math.log(DECAY_TARGET) / FAST_DECAY, channels,
+                            device=positions.device)  # fmt: skip
     return torch.exp(-positions[None, :] * deltas.abs()[:, None].to(positions))  # (channels, L)
 
 
@@ -85,49 +101,63 @@ class Sine(nn.Module):
         return torch.sin(self.freq * x)
 
 
+def position_features(T: int, max_seq_len: int, device=None) -> torch.Tensor:
+    """HyenaDNA's positional features of the first T of max_seq_len positions, float32 (T, 5): t in [0, 1] over the
+    max_seq_len positions, and the real and imaginary parts of exp(-i f 2 pi n / max_seq_len) for two bands f."""
+    n = torch.arange(T, device=device, dtype=torch.float32)  # (T,)
+    t = n / max(max_seq_len - 1, 1)  # (T,): linspace(0, 1, max_seq_len)[:T]
+    bands = torch.linspace(1e-4, (POSITION_FEATURES - 1) // 2 - 1, (POSITION_FEATURES - 1) // 2, device=device)
+    angle = bands[None, :] * (2 * math.pi * n / max_seq_len)[:, None]  # (T, bands)
+    return torch.cat([t[:, None], angle.cos(), -angle.sin()], dim=-1)  # (T, 5)
+
+
 class ImplicitFilter(nn.Module):
     """H: HyenaDNA's implicit filter over `channels` (this rank's) of `d` channels: an MLP of width w, Linear(5, w)
     -> Sine -> Linear(w, w) -> Sine -> Linear(w, d) (the last one column-parallel: a rank computes its channels),
-    over the positional features of max_seq_len positions, times the exponential decay."""
+    over the positional features of max_seq_len positions, times the exponential decay.
+
+    The features and the decay are computed in float32 at every call, not kept as buffers: DeepSpeed's bf16 and
+    fp16 cast a module's floating-point buffers with its weights, and positions t in [0, 1] rounded to bf16 would
+    share a value every few positions past the first 256. Only the channel indices are kept (integers, never cast)."""
 
     def __init__(self, cfg: ModelConfig, layers):
         super().__init__()
-        width, L = cfg.filter_width, cfg.max_seq_len
+        width, self.max_seq_len, self.d = cfg.filter_width, cfg.max_seq_len, cfg.d_model
         self.mlp = nn.Sequential(nn.Linear(POSITION_FEATURES, width), Sine(width), nn.Linear(width, width), Sine(width))
         self.out = layers.column(width, cfg.d_model)  # (L, w) -> (L, channels)
-        t = torch.linspace(0, 1, L)  # (L,)
-        w = 2 * math.pi * torch.arange(L) / L  # (L,)
-        bands = torch.linspace(1e-4, (POSITION_FEATURES - 1) // 2 - 1, (POSITION_FEATURES - 1) // 2)  # (bands,)
-        z = torch.exp(-1j * bands[None, :] * w[:, None])  # (L, bands)
-        features = torch.cat([t[:, None], z.real, z.imag], dim=-1)  # (L, 5)
-        self.register_buffer("features", features, persistent=False)
-        self.register_buffer(
-            "decay", layers.channels(exponential_decay(cfg.d_model, t), False), persistent=False
-        )  # (channels, L)
+        self.register_buffer("channel", layers.channels(torch.arange(cfg.d_model), False), persistent=False)
         for p in self.parameters():
             p.no_weight_decay = True
 
     def forward(self, T: int) -> torch.Tensor:
         """The filters of the first T taps, float32 (channels, T)."""
-        h = self.out(self.mlp(self.features[:T].float()))  # (T, channels)
-        return h.float().t() * self.decay[:, :T].float()  # (channels, T)
+        device = self.channel.device
+        features = position_features(T, self.max_seq_len, device)  # (T, 5) float32
+        # The MLP runs in its weights' dtype (bf16 under DeepSpeed's bf16, as under autocast); the filter is then
+        # taken to float32, as every filter is.
+        h = self.out(self.mlp(features.to(self.mlp[0].weight.dtype)))  # (T, channels)
+        t = features[:, 0]  # (T,)
+        return h.float().t() * exponential_decay(self.d, t)[self.channel]  # (channels, T)
 
 
 class ExplicitFilter(nn.Module):
     """SE and MR: `length` free taps per channel, N(0, 1/length) at initialisation; MR (decay=True) times HyenaDNA's
-    exponential decay over its taps."""
+    exponential decay over its taps (computed in float32 at every call, as ImplicitFilter's)."""
 
     def __init__(self, d: int, length: int, decay: bool, layers):
         super().__init__()
         self.h = layers.channels(torch.randn(d, length) / math.sqrt(length))  # (channels, length)
         self.h.no_weight_decay = True
-        positions = torch.linspace(0, 1, length)
-        decay = layers.channels(exponential_decay(d, positions), False) if decay else None
-        self.register_buffer("decay", decay, persistent=False)
+        self.d, self.decay = d, decay
+        channel = layers.channels(torch.arange(d), False) if decay else None  # this rank's channels (MR's decay)
+        self.register_buffer("channel", channel, persistent=False)
 
     def forward(self, T: int) -> torch.Tensor:
-        h = self.h.float()
-        return h * self.decay.float() if self.decay is not None else h  # (channels, length)
+        h = self.h.float()  # (channels, length)
+        if not self.decay:
+            return h
+        positions = torch.linspace(0, 1, h.size(-1), device=h.device)
+        return h * exponential_decay(self.d, positions)[self.channel]  # (channels, length)
 
 
 class ModalFilter(nn.Module):
@@ -145,12 +175,52 @@ class ModalFilter(nn.Module):
             p.no_weight_decay = True
 
     def forward(self, T: int) -> torch.Tensor:
-        t = torch.arange(T, device=self.theta.device, dtype=torch.float32)  # (T,)
-        decay = -self.log_rate.float().exp()[..., None] * t  # (channels, S, T)
-        angle = self.theta.float()[..., None] * t  # (channels, S, T)
-        re, im = self.residues.float().unbind(-1)  # 2 x (channels, S)
-        # Re(R exp(lambda t)) = exp(-rate t) (Re R cos(theta t) - Im R sin(theta t)), summed over the poles.
-        return (decay.exp() * (re[..., None] * angle.cos() - im[..., None] * angle.sin())).sum(1)  # (channels, T)
+        """The filters of T taps, float32 (channels, T), through _ModalKernel: channels x state_size x T values per
+        block of channels at a time, recomputed in backward, never all at once and never kept."""
+        return _ModalKernel.apply(self.log_rate, self.theta, self.residues, T)
+
+
+# Elements of one block's (channels, state_size, T) intermediates in _ModalKernel (64 MiB of float32 each).
+MODAL_BLOCK_ELEMENTS = 2**24
+
+
+def modal_filter(log_rate: torch.Tensor, theta: torch.Tensor, residues: torch.Tensor, T: int) -> torch.Tensor:
+    """h[c, t] = Re(sum_s R exp(lambda t)) = sum_s exp(-rate t) (Re R cos(theta t) - Im R sin(theta t)), float32
+    (channels, T), from log_rate and theta (channels, S) and residues (channels, S, 2)."""
+    t = torch.arange(T, device=theta.device, dtype=torch.float32)  # (T,)
+    decay = -log_rate.float().exp()[..., None] * t  # (channels, S, T)
+    angle = theta.float()[..., None] * t  # (channels, S, T)
+    re, im = residues.float().unbind(-1)  # 2 x (channels, S)
+    return (decay.exp() * (re[..., None] * angle.cos() - im[..., None] * angle.sin())).sum(1)  # (channels, T)
+
+
+class _ModalKernel(torch.autograd.Function):
+    """modal_filter in blocks of channels, whose (block, S, T) intermediates autograd would otherwise keep for
+    backward: 20 x channels x S x T bytes per LI layer and micro batch, 5 GB for Evo 2 1B's 1920 channels and 16
+    poles at 8k bases. Forward keeps only the parameters; backward recomputes each block under autograd and takes
+    its gradients (a block's recompute costs what its forward did, a few percent of the layer's FLOPs)."""
+
+    @staticmethod
+    def forward(ctx, log_rate, theta, residues, T):
+        ctx.save_for_backward(log_rate, theta, residues)
+        ctx.T = T
+        block = max(1, MODAL_BLOCK_ELEMENTS // (theta.size(1) * T))
+        out = [modal_filter(*(p[i : i + block] for p in (log_rate, theta, residues)), T)
+               for i in range(0, theta.size(0), block)]  # fmt: skip
+        return torch.cat(out)  # (channels, T)
+
+    @staticmethod
+    def backward(ctx, grad):
+        params = ctx.saved_tensors
+        block = max(1, MODAL_BLOCK_ELEMENTS // (params[1].size(1) * ctx.T))
+        grads = [torch.zeros_like(p) for p in params]
+        for i in range(0, params[1].size(0), block):
+            with torch.enable_grad():
+                part = [p[i : i + block].detach().requires_grad_() for p in params]
+                h = modal_filter(*part, ctx.T)
+            for g, d in zip(grads, torch.autograd.grad(h, part, grad[i : i + block])):
+                g[i : i + block] = d
+        return *grads, None
 
 
 class HyenaOperator(nn.Module):
@@ -176,23 +246,44 @@ class HyenaOperator(nn.Module):
         self.D = layers.channels(torch.ones(d))  # (channels,)
         self.D.no_weight_decay = True
         self.out_proj = layers.row(d, d)
-        self.fft = kind in ("H", "LI")  # long filters by FFT, SE and MR taps directly
+        self.fft = by_fft(cfg, kind)
         # Selective checkpointing (set by the block): fn(function, *args) recomputes the long convolution in
         # backward, keeping only its inputs. None: keep what it saves.
         self.recompute_core: Callable | None = None
+        # Sequence parallelism (set by the model's set_sequence_parallel): this rank's chunk of every sequence and
+        # the exchanges with the other ranks (parallel/sequence_conv.py ConvExchange). None: whole sequences.
+        self.exchange = None
+
+    def _short(self, u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The direct causal convolution of u (B, C, T) with h (C, taps), across sequence-parallel chunks: the taps
+        before this rank's chunk come from the previous rank (parallel/sequence_conv.py halo)."""
+        taps = h.size(-1)
+        if self.exchange is None or taps == 1:
+            return direct_conv(u, h)
+        extended = torch.cat([self.exchange.halo(u, taps - 1), u], dim=-1)  # (B, C, taps - 1 + T)
+        return direct_conv(extended, h)[..., taps - 1 :]  # (B, C, T)
 
     def _core(self, u: torch.Tensor, h: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
-        """h * u + D u, float32 (B, channels, T), for u = x1 . v (B, channels, T)."""
-        conv = fft_conv(u, h) if self.fft else direct_conv(u.float(), h)
+        """h * u + D u, float32 (B, channels, T), for u = x1 . v (B, channels, T). Under sequence parallelism a
+        long (FFT) convolution runs over whole sequences for this rank's block of channels, between two
+        all-to-alls (parallel/sequence_conv.py); a direct one takes its halo."""
+        if not self.fft:
+            conv = self._short(u.float(), h)
+        elif self.exchange is None:
+            conv = fft_conv(u, h)
+        else:
+            whole = self.exchange.sequence_to_channels(u)  # (B, channels / sp, T * sp)
+            block = slice(self.exchange.rank * whole.size(1), (self.exchange.rank + 1) * whole.size(1))
+            conv = self.exchange.channels_to_sequence(fft_conv(whole, h[block]))  # (B, channels, T)
         return conv + u.float() * D.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         z = self.in_proj(x).transpose(1, 2)  # (B, 3 channels, T)
-        z = direct_conv(z, self.short_filter.float())  # (B, 3 channels, T): the featurizer
+        z = self._short(z, self.short_filter.float())  # (B, 3 channels, T): the featurizer
         x2, x1, v = z.view(B, -1, 3, self.head_size, T).unbind(2)  # 3 x (B, heads, head_size, T)
         x2, u = x2.reshape(B, -1, T), (x1 * v).reshape(B, -1, T)  # 2 x (B, channels, T)
-        h = self.filter(T)  # (channels, T or filter length), float32
+        h = self.filter(T * (self.exchange.size if self.exchange else 1))  # (channels, T or taps), float32
         core = self._core
         if self.recompute_core is not None and torch.is_grad_enabled():
             core = functools.partial(self.recompute_core, self._core)

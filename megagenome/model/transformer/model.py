@@ -79,7 +79,7 @@ class DNATransformer(BlockStack):
         else:
             init_normal_(module, self.cfg.init_std)
 
-    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1) -> None:
+    def set_sequence_parallel(self, attention: Callable | None, rank: int = 0, size: int = 1, exchange=None) -> None:
         """Install sequence parallelism: this rank holds chunk `rank` of `size` equal chunks of every sequence.
 
         attention(core, q, k, v), with q, k, v of shape (B, n_head, T/size, head_dim), must return the output
@@ -87,6 +87,7 @@ class DNATransformer(BlockStack):
         the training engine builds it from DeepSpeed's DistributedAttention). Rotary positions are offset by
         rank * T/size. forward() then takes the chunk's tensors and the loss denominator of the whole
         sequences. None (or size 1) restores whole-sequence attention. The model does no communication itself.
+        `exchange`, a Hyena family's convolution exchanges (parallel/sequence_conv.py), is unused: no convolutions.
         """
         if size > 1 and (attention is None or not 0 <= rank < size):
             raise ValueError(f"sequence parallelism needs an attention function and 0 <= rank < {size}, got {rank}")

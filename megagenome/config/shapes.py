@@ -1,0 +1,55 @@
+"""A model config's derived shape (layer L0, standard library only): the MLP width d_ff, the operator of each layer
+(layer_kinds), and the Hyena families' own checks (config/checks.py runs them with the rest)."""
+
+from __future__ import annotations
+
+from megagenome.config.sections import ModelConfig
+
+# The operators of --model.layer_pattern (model/hyena/operators.py).
+LAYER_KINDS = ("SE", "MR", "LI", "A")
+
+
+def layer_kinds(m: ModelConfig) -> list[str]:
+    """The operator of each of the model's layers: "H" (HyenaDNA's operator) for every layer of the hyena family,
+    --model.layer_pattern repeated to --model.n_layer layers for striped_hyena, "A" (attention) for the transformer."""
+    if m.family == "hyena":
+        return ["H"] * max(m.n_layer, 0)
+    if m.family == "transformer":
+        return ["A"] * max(m.n_layer, 0)
+    pattern = m.layer_pattern.replace(",", " ").split()
+    return [pattern[i % len(pattern)] for i in range(max(m.n_layer, 0))] if pattern else []
+
+
+def d_ff(model: ModelConfig) -> int:
+    """Hidden width of the SwiGLU MLP (the LLaMA rule: 2/3 of 4*d, rounded up to 64)."""
+    if model.d_ff is not None:
+        return model.d_ff
+    hidden = int(8 * model.d_model / 3)
+    return 64 * ((hidden + 63) // 64)
+
+
+def hyena_problems(m: ModelConfig) -> list[str]:
+    """The Hyena families' own keys (model/hyena/): lengths positive, the layer pattern made of known operators."""
+    if m.family == "transformer":
+        return []
+    lengths = ("short_filter_len", "se_filter_len", "mr_filter_len", "state_size", "filter_width")
+    problems = [f"--model.{k}={getattr(m, k)}: must be positive" for k in lengths if getattr(m, k) <= 0]
+    if m.family == "striped_hyena":
+        tokens = m.layer_pattern.replace(",", " ").split()
+        unknown = sorted({t for t in tokens if t not in LAYER_KINDS})
+        if not tokens or unknown:
+            problems.append(
+                f"--model.layer_pattern={m.layer_pattern!r}: expected operators among {', '.join(LAYER_KINDS)} "
+                f"separated by spaces or commas{'; unknown: ' + ', '.join(unknown) if unknown else ''}"
+            )
+    if m.objective != "clm":
+        problems.append(
+            f"--model.objective={m.objective} with --model.family={m.family}: Hyena operators are causal "
+            "convolutions; a masked objective needs a bidirectional family"
+        )
+    if m.compile:
+        problems.append(
+            f"--model.compile with --model.family={m.family}: the Hyena FFT convolutions work on complex spectra, "
+            "which inductor does not compile as one graph; drop --model.compile"
+        )
+    return problems

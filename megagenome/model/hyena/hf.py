@@ -1,0 +1,114 @@
+"""HyenaLM as a Hugging Face causal LM (layer L1): the Hyena families' Hugging Face form (HyenaForm), the weight
+names both ways, config.json, and the remote code an export directory carries.
+
+transformers has no Hyena or StripedHyena 2 architecture that computes megagenome's model (its filters, the
+(x2, x1, v) per-head layout, the SE/MR/LI/A stripes), so the export carries its own: hf_remote/'s
+configuration_megagenome_hyena.py and modeling_megagenome_hyena.py, copied as they are into the export directory and
+named in config.json's auto_map, load with `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` with
+nothing but torch and transformers installed. That model keeps megagenome's module tree, so the weight names are
+megagenome's under `model.` (the LM head `lm_head.weight`, stored only when untied); the embedding and head are cut
+to the vocabulary's rows as the Llama form cuts them (model/transformer/hf.py), so `generate` can only write real
+tokens. Logits agree to 1e-4 in float32 (tests/test_hyena_after_training.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+from megagenome.config import ModelConfig, d_ff, layer_kinds
+from megagenome.model.stack import padded_vocab_size
+from megagenome.model.transformer.blocks import rope_original_max_len
+from megagenome.model.transformer.hf import DTYPE_NAMES
+
+REMOTE_CODE = pathlib.Path(__file__).parent / "hf_remote"
+CONFIGURATION = "configuration_megagenome_hyena"
+MODELING = "modeling_megagenome_hyena"
+PREFIX = "model."  # the Hugging Face model's base model (embed, blocks, norm); lm_head beside it
+
+
+class HyenaForm:
+    """The Hugging Face form of a Hyena or StripedHyena 2 export (model/family.py ModelFamily.huggingface):
+    megagenome's weights under `model.`, config.json naming the remote code, and back."""
+
+    weight_names = "megagenome-hyena"  # megagenome.json's "weight_names" of an export in this form
+    architecture = "MegagenomeHyenaForCausalLM"
+    trust_remote_code = True  # the architecture is the export's own code (code_files), not transformers'
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    def to_hf(self, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+        """The Hugging Face model's state dict (contiguous, no shared tensors) of a dense HyenaLM state dict."""
+        out = {}
+        for name, weight in state.items():
+            if name == "lm_head.weight":
+                if not self.cfg.tie_embeddings:
+                    out[name] = weight[:vocab_size]
+            else:
+                out[PREFIX + name] = weight[:vocab_size] if name == "embed.weight" else weight
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def from_hf(self, weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+        """HyenaLM's dense state dict of weights written by to_hf: the vocabulary rows padded back with zeros,
+        lm_head.weight the embedding when tied (the caller checks every name and shape against the config)."""
+        if PREFIX + "embed.weight" not in weights:
+            raise KeyError(f"the weights lack {PREFIX}embed.weight")
+        rows = padded_vocab_size(vocab_size)
+        state = {k.removeprefix(PREFIX): v for k, v in weights.items() if k.startswith(PREFIX)}
+        state["embed.weight"] = _pad_rows(state["embed.weight"], rows)
+        if self.cfg.tie_embeddings:
+            state["lm_head.weight"] = state["embed.weight"]
+        elif "lm_head.weight" in weights:
+            state["lm_head.weight"] = _pad_rows(weights["lm_head.weight"], rows)
+        return state
+
+    def config(self, dtype: torch.dtype, vocab_size: int, pad_token_id: int) -> dict:
+        """config.json: MegagenomeHyenaConfig's fields (hf_remote/configuration_megagenome_hyena.py) of `cfg`, and
+        the auto_map that points transformers at the remote code."""
+        cfg = self.cfg
+        return {
+            "architectures": [self.architecture],
+            "model_type": "megagenome_hyena",
+            "auto_map": {
+                "AutoConfig": f"{CONFIGURATION}.MegagenomeHyenaConfig",
+                "AutoModelForCausalLM": f"{MODELING}.{self.architecture}",
+            },
+            "megagenome_family": cfg.family,
+            "vocab_size": vocab_size,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": d_ff(cfg),
+            "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head,
+            "layer_kinds": layer_kinds(cfg),
+            "max_position_embeddings": cfg.max_seq_len,
+            "short_filter_len": cfg.short_filter_len,
+            "se_filter_len": cfg.se_filter_len,
+            "mr_filter_len": cfg.mr_filter_len,
+            "state_size": cfg.state_size,
+            "filter_width": cfg.filter_width,
+            "rms_norm_eps": cfg.norm_eps,
+            "rotary_theta": cfg.rope_theta,
+            "rotary_scaling": cfg.rope_scaling,
+            "rotary_factor": float(cfg.rope_factor),
+            "rotary_original_max_len": rope_original_max_len(cfg) if cfg.rope_scaling == "yarn" else None,
+            "initializer_range": cfg.init_std,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "use_cache": False,  # causal convolutions have no key-value cache
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "pad_token_id": pad_token_id,
+            "dtype": DTYPE_NAMES[dtype],
+        }
+
+    def code_files(self) -> dict[str, str]:
+        """{file name: text} of the remote code the export directory carries (config.json's auto_map names them)."""
+        names = [f"{name}.py" for name in (CONFIGURATION, MODELING)]
+        return {name: (REMOTE_CODE / name).read_text(encoding="utf-8") for name in names}
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if weight.size(0) >= rows:
+        return weight
+    return torch.cat([weight, weight.new_zeros(rows - weight.size(0), *weight.shape[1:])])
