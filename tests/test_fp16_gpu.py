@@ -67,3 +67,41 @@ def test_overflow_at_minimum_scale_stops_with_a_checkpoint(tmp_path):
     assert proc.returncode == 3, proc.stderr[-4000:]
     assert "loss scale already at fp16.min_loss_scale" in proc.stderr
     assert any((p / "COMPLETE").exists() for p in (run_dir / "checkpoints").iterdir())
+
+
+# The Hyena families (model/hyena/; tests/test_hyena_engine.py runs every other engine seam on CPU): hyena's H layers
+# and striped_hyena with every operator and attention.
+HYENA = {
+    "hyena": {"model__family": "hyena", "model__filter_width": 16},
+    "striped_hyena": {"model__family": "striped_hyena", "model__n_layer": 4, "model__mr_filter_len": 16},
+}
+HYENA_STEPS = 6
+FP16_LOSS_ATOL = 5e-3  # against fp32: the bf16 tolerance of tests/test_ds_equivalence.py (fp16 keeps 3 more bits)
+
+
+def hyena_run(tmp_path, family: str, fragments: list[str]) -> list[float]:
+    """Per-step training losses of a 6-step run of `family` on ZeRO-1 plus `fragments` (ds_configs/ names)."""
+    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
+    cfg = tiny_config(tmp_path, fasta, tmp_path / "run", **HYENA[family])
+    if family == "striped_hyena":
+        cfg["model"]["layer_pattern"] = "SE MR LI A"
+    cfg["model"]["dropout"] = 0.0
+    cfg["train"]["ds_config"] = [str(REPO / "ds_configs" / f"{n}.json") for n in ["zero1", *fragments]]
+    cfg["train"].update(max_steps=HYENA_STEPS, tf32=False)
+    proc = cli("pretrain", "--config", write_yaml(tmp_path / "c.yaml", cfg), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return train_rows(tmp_path / "run")
+
+
+@pytest.mark.parametrize("family", list(HYENA))
+def test_hyena_families_train_under_fp16_loss_scaling_and_track_fp32(tmp_path, family):
+    """Static loss scale 1024 (ds_configs/fp16_static.json): no step skipped, the loss falls, and every step's loss
+    is within FP16_LOSS_ATOL of the fp32 run's (the filters and FFT convolutions run in float32 under fp16)."""
+    fp16 = hyena_run(tmp_path / "fp16", family, ["fp16_static"])
+    fp32 = hyena_run(tmp_path / "fp32", family, [])
+    assert all(r["loss_scale"] == 1024 for r in fp16) and fp16[-1]["skipped_steps"] == 0, fp16
+    losses = [r["loss"] for r in fp16]
+    assert losses[-1] < losses[0], losses
+    diff = max(abs(a - r["loss"]) for a, r in zip(losses, fp32))
+    print(f"{family} fp16 vs fp32: loss {diff:.3g}")
+    assert diff <= FP16_LOSS_ATOL, (losses, [r["loss"] for r in fp32])

@@ -146,7 +146,10 @@ PAIRS = {  # name -> (ds config fragments, objective)
     "zero2": (["zero2"], "clm"),
     "zero3": (["zero3"], "clm"),
     "zero3_offload": (["zero3_offload"], "clm"),
+    "striped_zero1": (["zero1"], "clm"),  # striped_hyena: halos and all-to-alls for the convolutions
 }
+# The striped pair's model: one layer of each operator, filters short enough for 32-position chunks.
+STRIPED = {"family": "striped_hyena", "layer_pattern": "SE MR LI A", "n_layer": 4, "mr_filter_len": 16}
 BF16 = "zero1_bf16"  # bf16 tracks fp32 only loosely: compared on loss and gradient norm, not bit-level
 
 
@@ -158,6 +161,8 @@ def _pretrain_scenarios(root, fasta: str) -> list[dict]:
             # sp 1: 2 data-parallel ranks x micro 2. sp 2: 1 data-parallel replica x micro 2 x accumulation 2.
             s = scenario(root, fasta, f"{name}_sp{sp}", ds_config, 2, sp, 0.0)
             s["config"]["model"]["objective"] = objective
+            if name.startswith("striped"):
+                s["config"]["model"].update(STRIPED)
             s["config"]["parallel"] = {"sequence": sp}
             out.append(s)
     return out

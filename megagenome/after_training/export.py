@@ -7,11 +7,15 @@ sequence parallel, universal, consolidated by train/consolidate.py) or another e
 
     model.safetensors       the dense weights in --dtype: under its family's Hugging Face names where the family
                             has a Hugging Face form for the config (a causal transformer: Llama's,
-                            model/transformer/hf.py), under the model's own state-dict names otherwise
+                            model/transformer/hf.py; the Hyena families: their own, model/hyena/hf.py), under the
+                            model's own state-dict names otherwise
     config.json, generation_config.json, tokenizer.json, tokenizer_config.json, special_tokens_map.json
                             with a Hugging Face form only (hf_files.py): e.g. a `LlamaForCausalLM` and a
                             single-nucleotide tokenizer, so that
                             `AutoModelForCausalLM.from_pretrained(DIR)` computes megagenome's logits
+    configuration_*.py, modeling_*.py
+                            a Hyena family's remote code (its architecture is not in transformers): loaded with
+                            `from_pretrained(DIR, trust_remote_code=True)`, torch and transformers only
     megagenome.json         the manifest (weights.py EXPORT_MANIFEST, its presence marks an export directory): the
                             ModelConfig, format version, source run and checkpoint, dtype, int8 measurements
     model_int8.pt           with --quantize int8: the int8 model (quantize.py says how it is stored and loaded)
@@ -70,7 +74,9 @@ def main(ns) -> int:
     source = manifest["source"]
     print(f"megagenome: exported {source['checkpoint']} (step {source['step']}) to {ns.output}")
     if manifest["huggingface"]:
-        print(f"  AutoModelForCausalLM.from_pretrained({ns.output!r}) / AutoTokenizer.from_pretrained(...)")
+        trust = _trust(manifest)
+        loads = f"AutoModelForCausalLM.from_pretrained({ns.output!r}{trust})"
+        print(f"  {loads} / AutoTokenizer.from_pretrained(...{trust})")
     if "int8" in manifest:
         q = manifest["int8"]
         print(
@@ -105,9 +111,7 @@ def export(
     os.makedirs(tmp)
     try:
         manifest = _manifest(model_cfg, _provenance(source, read_from, run_cfg), dtype)
-        _write_weights(tmp, model_cfg, state, DTYPES[dtype])
-        if manifest["huggingface"]:
-            hf_files.write_hf_files(tmp, model_cfg, DTYPES[dtype], family_of(model_cfg).huggingface(model_cfg))
+        write_model(tmp, model_cfg, state, DTYPES[dtype])
         if quantize_to == "int8":
             manifest["int8"] = _int8(tmp, model_cfg, state, run_cfg, eval_fasta, eval_windows)
         _write_json(os.path.join(tmp, EXPORT_MANIFEST), manifest)
@@ -167,9 +171,11 @@ def _provenance(source: str, read_from: str, run_cfg) -> dict:
     return out
 
 
-def _write_weights(out_dir: str, model_cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """model.safetensors: under the family's Hugging Face names when it has a form for this config (what
-    transformers loads), the model's own otherwise; a tied tensor is stored once."""
+def write_model(out_dir: str, model_cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """model.safetensors in `dtype` and, when the family has a Hugging Face form for this config, the files that make
+    out_dir a Hugging Face model (hf_files.py): the weights under the form's names (what transformers loads), the
+    model's own otherwise; a tied tensor is stored once. Everything of an export but its manifest and card (tests
+    write a model built in-process with it)."""
     from safetensors.torch import save_file
 
     family = family_of(model_cfg)
@@ -177,6 +183,8 @@ def _write_weights(out_dir: str, model_cfg: ModelConfig, state: dict[str, torch.
     state = {k: v.to(dtype) for k, v in state.items()}
     weights = form.to_hf(state, VOCAB_SIZE) if form is not None else family.untie(state, model_cfg)
     save_file(weights, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
+    if form is not None:
+        hf_files.write_hf_files(out_dir, model_cfg, dtype, form)
 
 
 def _int8(out_dir, model_cfg, state, run_cfg, eval_fasta, eval_windows) -> dict:
@@ -250,8 +258,8 @@ def model_card(manifest: dict) -> str:
     if manifest["huggingface"]:
         lines += [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            'tok = AutoTokenizer.from_pretrained("DIR")',
-            'model = AutoModelForCausalLM.from_pretrained("DIR")  # DIR: this directory',
+            f'tok = AutoTokenizer.from_pretrained("DIR"{_trust(manifest)})',
+            f'model = AutoModelForCausalLM.from_pretrained("DIR"{_trust(manifest)})  # DIR: this directory',
             'ids = tok("ACGTACGT", return_tensors="pt").input_ids',
             "out = model.generate(ids, max_new_tokens=32, do_sample=True)  # bases only",
         ]
@@ -263,6 +271,14 @@ def model_card(manifest: dict) -> str:
     if "int8" in manifest:
         lines += _int8_card(manifest["int8"])
     return "\n".join(lines)
+
+
+def _trust(manifest: dict) -> str:
+    """The from_pretrained argument an export in a Hugging Face form needs: trust_remote_code=True where the form's
+    architecture is code the export carries (hf_files.remote_code), for the tokenizer too (AutoTokenizer reads
+    config.json, whose auto_map names that code, and would otherwise ask at the terminal)."""
+    cfg = ModelConfig(**manifest["model"])
+    return ", trust_remote_code=True" if hf_files.remote_code(family_of(cfg).huggingface(cfg)) else ""
 
 
 def _shape(m: dict) -> str:

@@ -2,6 +2,11 @@
 Face form (model/family.py ModelFamily.huggingface), generation_config.json, and a single-nucleotide tokenizer
 written as `tokenizers` JSON by hand (tokenizer.json, tokenizer_config.json, special_tokens_map.json), equal to
 megagenome's (data/tokenizer.py), so that `megagenome export` needs neither transformers nor tokenizers.
+
+A form whose architecture transformers does not have (the Hyena families', model/hyena/hf.py) carries it as remote
+code: its `code_files()` are written beside config.json (whose auto_map names them) and its `trust_remote_code` is
+True, so the load line says `trust_remote_code=True`. A form without them (the transformer's Llama) is an
+architecture of transformers itself.
 """
 
 from __future__ import annotations
@@ -63,9 +68,18 @@ def tokenizer_config(cfg: ModelConfig) -> dict:
     }
 
 
+def remote_code(form) -> bool:
+    """Whether loading the form's export needs `trust_remote_code=True` (its architecture is code it carries)."""
+    return bool(getattr(form, "trust_remote_code", False))
+
+
 def write_hf_files(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, form) -> list[str]:
-    """Write the config of the Hugging Face form `form` (the family's), the generation config and the tokenizer
-    files into out_dir; their names."""
+    """Write the config of the Hugging Face form `form` (the family's), its remote code if it has any, the
+    generation config and the tokenizer files into out_dir; their names."""
+    code = form.code_files() if remote_code(form) else {}
+    for name, text in code.items():
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as fh:
+            fh.write(text)
     files = {
         "config.json": form.config(dtype, VOCAB_SIZE, PAD_ID),
         "generation_config.json": generation_config(),
@@ -77,4 +91,4 @@ def write_hf_files(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, form) -> 
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=2)
             fh.write("\n")
-    return list(files)
+    return [*code, *files]

@@ -183,8 +183,12 @@ def _sequence_problems(layout: ParallelLayout, rules, seq_len: int) -> list[str]
             f"--data.seq_len={seq_len} is not divisible by --parallel.sequence={sp}: each sequence-parallel "
             "rank holds an equal chunk of every window"
         )
-    if rules.sequence_refusal:
-        return [f"--parallel.sequence={sp}: {rules.sequence_refusal}"]
+    least, why = rules.sequence_min_chunk
+    if seq_len > 0 and not seq_len % sp and seq_len // sp < least:
+        problems.append(
+            f"--data.seq_len={seq_len} over --parallel.sequence={sp} leaves {seq_len // sp} positions per rank, "
+            f"fewer than {least}: {why}"
+        )
     flags = f"--parallel.sequence={sp}" + (f" x --parallel.tensor={tp}" if tp > 1 else "")
     problems += _indivisible(rules.sequence, sp * tp, flags)
     if pp > 1:

@@ -169,11 +169,13 @@ def build(model: nn.Module, par: ParallelConfig, state, checkpoint_fn: Callable 
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups by the model's param_groups rule: matrices decay, 1-D tensors (norm scales) do not."""
+    """AdamW groups by the model's param_groups rule (model/stack.py): matrices decay; 1-D tensors (norm scales) do
+    not, nor parameters marked no_weight_decay (the Hyena filters, whose taps and poles are 2-D but not matrices: a
+    rule by dimension alone would decay them on the pipeline and not without it)."""
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if p.dim() >= 2 and not getattr(p, "no_weight_decay", False) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -92,7 +92,9 @@ def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
     transient = transient_buffers(psi, cand.stage, prec, knobs, shape.block_params(tp))
     acts, act_seq = stage_activations(setup, cand, prec.p, tp)
     gpu = {name: states[name].gpu for name in STATES}
-    gpu["activations"] = acts["saved"] + acts["transient"]
+    # With the module buffers that the saved bytes do not already count (the attention layers' rotary tables under
+    # checkpointing, the Hyena filters' channel indices; model/hyena/activations.py), where a family gives them.
+    gpu["activations"] = acts["saved"] + acts["transient"] + acts.get("module_buffers", 0)
     gpu["buffers"] = resident.gpu + transient
     gpu["runtime"] = setup.cluster.runtime_gb * GIB
     gpu["total"] = sum(gpu.values())

@@ -388,9 +388,10 @@ def _breakdown_text(b: dict) -> list[str]:
         )
     lines += [
         f"  {'step':<14} {eager['step_ms']:10.1f} {'':>6}  {fused['step_ms']:10.1f}",
-        f"  {'MFU causal':<14} {eager['mfu']:10.1%} {'':>6}  {fused['mfu']:10.1%}   (Megatron-LM: 6N + 6*L*d*s)",
+        f"  {'MFU causal':<14} {eager['mfu']:10.1%} {'':>6}  {fused['mfu']:10.1%}   "
+        "(causal attention at half: Megatron-LM's)",
         f"  {'MFU full attn':<14} {eager['mfu_full_attn']:10.1%} {'':>6}  {fused['mfu_full_attn']:10.1%}   "
-        "(PaLM: 6N + 12*L*d*s)",
+        "(every score counted: PaLM's)",
         f"  the top-down prediction at the assumed MFU above: {b['top_down_step_ms']:.1f} ms",
     ]
     return lines

@@ -35,6 +35,7 @@ from megagenome.model.distill import Teacher
 from megagenome.parallel import pipeline
 from megagenome.parallel.layout import BatchSizes, LayoutError, ParallelLayout
 from megagenome.parallel.sequence import shard_batch
+from megagenome.parallel.sequence_conv import ConvExchange
 from megagenome.parallel.state import ParallelState
 from megagenome.parallel.tensor_parallel import TensorParallelLayers
 from megagenome.run import resume_checks
@@ -255,8 +256,10 @@ def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[torch.nn.Modul
     checkpoint_fn = ds.activation_checkpoint_function(ds_conf, mpu=state)
     model.set_checkpoint_function(checkpoint_fn)
     if state.sp > 1:
-        attention = ds.sequence_parallel_attention(state.get_sequence_parallel_group())
-        model.set_sequence_parallel(attention, state.get_sequence_parallel_rank(), state.sp)
+        group, rank = state.get_sequence_parallel_group(), state.get_sequence_parallel_rank()
+        # Ulysses attention for attention layers, halos and all-to-alls for a Hyena family's convolutions.
+        exchange = ConvExchange(group, rank, state.sp)
+        model.set_sequence_parallel(ds.sequence_parallel_attention(group), rank, state.sp, exchange)
     return model, checkpoint_fn
 
 

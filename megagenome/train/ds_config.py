@@ -302,6 +302,17 @@ def run_problems(
             f"{path} configures activation_checkpointing but --model.checkpointing=none recomputes nothing; "
             "choose full, every_k or selective (or --parallel.pipeline_checkpoint_interval with pipeline stages)"
         )
+    block = ds.get("activation_checkpointing")
+    if checkpointing == "selective" and isinstance(block, dict) and block.get("partition_activations"):
+        # Measured after 6 steps: the transformer's weights off by 6e-3 (1 rank) and 1.2e-2 (tensor 2), a striped
+        # Hyena model's backward fails (its emptied SE taps no longer broadcast).
+        problems.append(
+            f"{path}: activation_checkpointing.partition_activations with --model.checkpointing=selective: DeepSpeed "
+            "splits every input of a checkpointed function over the tensor-parallel group as if it were replicated "
+            "and empties the caller's tensor until backward, but selective recomputation checkpoints this rank's "
+            "attention heads and a Hyena operator's filter and D parameters; use full or every_k with "
+            "partition_activations, or selective with ds_configs/activation_checkpointing.json (no partitioning)"
+        )
     if "nvme" in offload_devices(ds):
         zero = zero_section(ds)
         if any(

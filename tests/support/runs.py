@@ -3,7 +3,7 @@
 A `deepspeed` launch costs ~10 s on CPU, so the tests that compare many short `megagenome pretrain` runs start one
 worker per world size (support/worker.py, through the real launcher for 2 and 4 ranks, a plain process for 1) and
 it runs every scenario in one process group. `run_worker` returns a `Runs` that reads each scenario's run
-directory back: per-step losses, the final weights as DNATransformer's state dict whatever the layout, the checks'
+directory back: per-step losses, the final weights as the model's dense state dict whatever the layout, the checks'
 results. Success is judged by what each run wrote (summary.json, COMPLETE markers), not by the exit code alone:
 about 1 in 15 two-rank CPU runs aborts at interpreter teardown after finishing (docs/platform.md, "Flaky exit at
 interpreter teardown").
@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from megagenome.config import ModelConfig
-from megagenome.model.transformer import TRANSFORMER
+from megagenome.model import family_of
 from megagenome.observe.metrics import read_metrics
 from megagenome.parallel import pipeline
 from megagenome.parallel.tensor_parallel import merge_shards
@@ -109,8 +109,9 @@ class Runs:
         return tag
 
     def weights(self, name: str) -> dict[str, torch.Tensor]:
-        """fp32 final weights as DNATransformer's state dict, however the run was laid out: a pipeline's layer files
-        reassembled, tensor-parallel shards merged, ZeRO 1-3 partitions consolidated by DeepSpeed's zero_to_fp32."""
+        """fp32 final weights as the model family's dense state dict, however the run was laid out: a pipeline's layer
+        files reassembled, tensor-parallel shards merged, ZeRO 1-3 partitions consolidated by DeepSpeed's
+        zero_to_fp32."""
         tag = self._final_tag(name)
         config = yaml.safe_load((self.root / name / "config.yaml").read_text())
         stage = json.loads((self.root / name / "ds_config.json").read_text()).get("zero_optimization", {}).get("stage")
@@ -132,7 +133,8 @@ class Runs:
         files = sorted(tag.glob("mp_rank_*_model_states.pt"))
         assert files, f"{name}: no model-state files in {tag}"
         shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
-        return {k: v.float() for k, v in merge_shards(shards, TRANSFORMER.partition_dim).items()}
+        family = family_of(ModelConfig(**yaml.safe_load((self.root / name / "config.yaml").read_text())["model"]))
+        return {k: v.float() for k, v in merge_shards(shards, family.partition_dim).items()}
 
     def checks(self, name: str = "checks") -> list[dict]:
         """Every rank's results of a check scenario (support/tp_checks.py, sp_checks.py): <run_dir>/rank<r>.json."""

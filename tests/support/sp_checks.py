@@ -15,10 +15,12 @@ import os
 import torch
 
 from megagenome.config import ModelConfig
+from megagenome.model import family_of
 from megagenome.model.attention import attention
 from megagenome.model.transformer import DNATransformer
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.parallel.sequence import shard_batch
+from megagenome.parallel.sequence_conv import ConvExchange
 from megagenome.parallel.state import ParallelState
 from megagenome.train import engine
 
@@ -51,27 +53,51 @@ def _core_case(sp_attention, group, rank: int, sp: int, causal: bool, dtype: tor
     }
 
 
-def _model_case(sp_attention, group, rank: int, sp: int, objective: str, checkpointing: str, dtype) -> dict:
-    """A whole DNATransformer: chunk logits, summed chunk losses and sp-summed gradients against the model on
-    whole sequences, with non-uniform loss weights (zeros included)."""
-    cfg = ModelConfig(d_model=32, n_layer=2, n_head=4, max_seq_len=64, objective=objective, checkpointing=checkpointing)
-    B, T = 3, 32
-    gen = torch.Generator().manual_seed(11)
-    batch = {
+def _weighted_batch(B: int, T: int, seed: int) -> dict:
+    """Ids, labels and non-uniform loss weights (zeros included), (B, T) each."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
         "input_ids": torch.randint(0, 6, (B, T), generator=gen),
         "labels": torch.randint(0, 6, (B, T), generator=gen),
         "loss_weight": torch.rand(B, T, generator=gen, dtype=torch.float64).round(decimals=1).float(),
     }
+
+
+def _model_case(sp_attention, group, rank: int, sp: int, objective: str, checkpointing: str, dtype) -> dict:
+    """A whole DNATransformer: chunk logits, summed chunk losses and sp-summed gradients against the model on
+    whole sequences, with non-uniform loss weights (zeros included)."""
+    cfg = ModelConfig(d_model=32, n_layer=2, n_head=4, max_seq_len=64, objective=objective, checkpointing=checkpointing)
+    batch = _weighted_batch(3, 32, 11)
     torch.manual_seed(0)
     ref = DNATransformer(cfg, 8).to(dtype)
     torch.manual_seed(0)
     model = DNATransformer(cfg, 8).to(dtype)
     model.set_sequence_parallel(sp_attention, rank, sp)
+    return _compare(ref, model, batch, group, rank, sp)
 
+
+def _hyena_case(sp_attention, group, rank: int, sp: int, family: str, checkpointing: str, dtype) -> dict:
+    """A whole Hyena-family model (striped: one SE, MR, LI and attention layer; hyena: H layers) split over the sp
+    ranks by the convolution exchanges (parallel/sequence_conv.py) and Ulysses attention, against the model on
+    whole sequences: chunk logits, summed chunk losses, sp-summed gradients, with non-uniform loss weights."""
+    cfg = ModelConfig(family=family, d_model=32, n_layer=4, n_head=4, max_seq_len=64, layer_pattern="SE MR LI A",
+                      mr_filter_len=12, checkpointing=checkpointing)  # fmt: skip
+    batch = _weighted_batch(2, 32, 13)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(family_of(cfg).build(cfg, 8).to(dtype))
+    ref, model = models
+    model.set_sequence_parallel(sp_attention, rank, sp, ConvExchange(group, rank, sp))
+    return _compare(ref, model, batch, group, rank, sp)
+
+
+def _compare(ref, model, batch: dict, group, rank: int, sp: int) -> dict:
+    """Logits, loss, nll, weight and gradient differences of `model` on this rank's chunk against `ref` whole."""
+    T = batch["input_ids"].size(1)
     loss, nll, weight = ref(**batch)
     loss.backward()
     logits = ref.logits(batch["input_ids"]).detach()
-
     part = shard_batch(batch, rank, sp)
     loss_sp, nll_sp, weight_sp = model(**part)
     loss_sp.backward()
@@ -112,6 +138,16 @@ def _controls(sp_attention, rank: int, sp: int) -> dict:
             unrotated = model.logits(ids[:, chunk])
         out[f"control/{objective}/local_attention"] = _max_diff(local, full)
         out[f"control/{objective}/no_rotary_offset"] = _max_diff(unrotated, full)
+    # A striped model's chunk convolved on its own (no halos, no all-to-alls): wrong after the first chunk.
+    cfg = ModelConfig(family="striped_hyena", d_model=32, n_layer=3, n_head=4, max_seq_len=64, layer_pattern="SE MR LI")
+    ids = torch.randint(0, 6, (2, 32), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    model = family_of(cfg).build(cfg, 8)
+    with torch.no_grad():
+        chunk = slice(rank * 32 // sp, (rank + 1) * 32 // sp)
+        out["control/clm/striped_local_convolutions"] = _max_diff(
+            model.logits(ids[:, chunk]), model.logits(ids)[:, chunk]
+        )
     return out
 
 
@@ -128,6 +164,10 @@ def attention_equivalence(run_dir: str) -> None:
             for ckpt in ("none", "selective", "full"):
                 key = f"model/{dname}/{objective}/{ckpt}"
                 results[key] = _model_case(sp_attention, group, rank, world, objective, ckpt, dtype)
+        for family in ("striped_hyena", "hyena"):
+            for ckpt in ("none", "selective", "full"):
+                key = f"hyena/{dname}/{family}/{ckpt}"
+                results[key] = _hyena_case(sp_attention, group, rank, world, family, ckpt, dtype)
     results["controls"] = _controls(sp_attention, rank, world)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
