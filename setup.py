@@ -38,8 +38,11 @@ setup(
         # transformers (exports loaded with AutoModelForCausalLM/AutoTokenizer, the docs' generate example, the
         # peers' Llama) and wandb (--log.wandb's offline files). Only bitsandbytes' CUDA client is left to GPUs.
         # mkdocs and mkdocs-material as in the docs extra: tests/test_docs_site.py builds the site with --strict.
+        # einops: what stripedhyena 0.2.2 (tests/test_hyena_oracle.py's oracle) imports; the README's test command
+        # installs stripedhyena itself with --no-deps, since it declares flash-attn, which needs CUDA to build.
         "dev": [
             "pytest==9.2.0",
+            "einops==0.8.2",
             "ruff==0.17.6",
             "transformers==5.24.0",
             "wandb==0.31.0",

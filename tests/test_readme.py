@@ -35,7 +35,7 @@ import sys
 import pytest
 import yaml
 from support.helpers import PYTHON, REPO
-from support.readme_commands import DEFAULT_JOB, DEFAULT_JOB_MAX_STEPS
+from support.readme_commands import DEFAULT_JOB, DEFAULT_JOB_MAX_STEPS, no_deps_pins
 from support.readme_run import hidden_modules, mapped_steps, pages, provided, run_steps, setup_requirements
 
 # Imported by tests but needed only where they run: bitsandbytes is the CUDA 8-bit AdamW (tests skip without CUDA).
@@ -144,8 +144,13 @@ def test_the_readme_commands_leave_what_they_promise(readme_run):
 
 def test_the_dev_extra_installs_what_the_tests_import():
     """`pytest` runs everything: a package a test imports (or importorskips) is a requirement of the package or of
-    its dev extra (or their dependencies), else the test would skip on a machine set up as the README says."""
-    closure = provided(("dev",))
+    its dev extra (or their dependencies), or one the README's test command installs --no-deps (stripedhyena, whose
+    declared flash-attn cannot install on CPU) at the version installed here, else the test would skip or fail on a
+    machine set up as the README says."""
+    pins = dict(pin.split("==") for pin in no_deps_pins((REPO / ".ci" / "run").read_text()))
+    assert "stripedhyena" in pins, pins  # tests/test_hyena_oracle.py's oracle
+    assert {name: importlib.metadata.version(name) for name in pins} == pins, "installed here as the command pins"
+    closure = provided(("dev",)) | {re.sub(r"[-_.]+", "-", name).lower() for name in pins}
     dists = importlib.metadata.packages_distributions()
     imported, skipped = set(), set()
     for path in (REPO / "tests").rglob("*.py"):

@@ -10,8 +10,10 @@ page and line, and the test fails on it. The rules (each says why):
 - install: `python3 -m venv .venv && .venv/bin/pip install -q torch==X -e SPEC && REST`, the fresh-machine commands.
   CI itself runs them from nothing (.ci/run): the install part must be .ci/run's and pin setup.py's torch; REST is
   mapped by the other rules, except `.venv/bin/python -m pytest` (the suite cannot run inside itself), which must be
-  verbatim in .ci/run. A `NAME=value` prefix is the user's environment: the test's PATH already has .venv/bin first.
-  The same install line again (the docs' home page repeats the README's two commands) is checked identical and not
+  verbatim in .ci/run, after only pinned `.venv/bin/pip install -q --no-deps NAME==X` installs (a test's package
+  whose declared requirements cannot install on CPU: stripedhyena, the oracle of tests/test_hyena_oracle.py). A
+  `NAME=value` prefix is the user's environment: the test's PATH already has .venv/bin first. The same install
+  line again (the docs' home page repeats the README's two commands) is checked identical and not
   run again: the default job launches once.
 - the environment of an example: every page starts from command 1's install (`-e .`: the package and its own
   requirements, nothing else), as a reader who followed command 1 and opened that page has it. An extra's install
@@ -67,6 +69,7 @@ ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 INSTALL = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install -q torch==(\S+) -e (\S+) && (.+)$")
 EXTRA_INSTALL = re.compile(r"^\.venv/bin/pip install (?:-q )?-e '\.\[([\w,-]+)\]'$")
 PYTEST = ".venv/bin/python -m pytest"
+NO_DEPS_INSTALL = re.compile(r"^\.venv/bin/pip install -q --no-deps ((?:[\w.-]+==\S+ ?)+)$")
 
 
 @dataclass
@@ -194,9 +197,12 @@ class Mapper:
         ci_install = f"python3 -m venv .venv && .venv/bin/pip install -q torch=={torch} -e '.[dev]' && "
         if spec not in (".", "'.[dev]'") or ci_install not in self.ci_script:
             problems.append(f"the install (-e {spec}, torch=={torch}) is not .ci/run's but for the dev extra")
-        if rest.strip() == PYTEST:
+        *before, last = (part.strip() for part in rest.split(" && "))
+        if last == PYTEST:
             ok = text in self.ci_script
             problems += [] if ok else [f"{text!r} is not verbatim in .ci/run"]
+            problems += [f"{p!r} before pytest is not a pinned --no-deps install" for p in before
+                         if not NO_DEPS_INSTALL.match(p)]  # fmt: skip
             return [Step(cmd.line, "install + pytest: CI's own command", "ci", argv=problems)]
         inner = self._steps(Command(cmd.line, "bash", rest, cmd.page))
         if inner is None:
@@ -282,6 +288,16 @@ class Mapper:
         if argv[:1] != ["tensorboard"] or _option(argv, "--logdir") is None:
             return None
         return [Step(line, "tensorboard --inspect", "shell", argv=["tensorboard", "--inspect", *argv[1:]])]
+
+
+def no_deps_pins(text: str) -> list[str]:
+    """The NAME==X pins of every `.venv/bin/pip install -q --no-deps` in a command line (.ci/run's test command)."""
+    found = []
+    for line in text.splitlines():
+        for part in line.split(" && "):
+            m = NO_DEPS_INSTALL.match(part.strip())
+            found += m.group(1).split() if m else []
+    return found
 
 
 def _dry_run(line: int, rule: str, args: list[str], world: str) -> Step:
