@@ -2,7 +2,8 @@
 with rotary scaling (linear, yarn), without it (plain longer windows), and of the base model with no more training.
 
 One `deepspeed --num_gpus N` launch of this script (a worker mode; CPU ranks on gloo) runs, in one process group,
-`megagenome pretrain` on configs/tiny.yaml (E. coli K-12, its held-out range, its model and engine: ZeRO-1 + bf16):
+`megagenome pretrain` on configs/tiny_transformer.yaml (E. coli K-12, its held-out range, its model and engine: ZeRO-1
++ bf16):
 
     base      --data.seq_len S (--model.max_seq_len S) for B steps of a B + E step schedule, stopped with a checkpoint
     linear    resumed from base's checkpoint at 4S (--model.max_seq_len 4S, --data.seq_len 4S) with
@@ -30,7 +31,7 @@ import time
 
 import harness
 
-TINY = harness.REPO / "configs" / "tiny.yaml"
+TINY = harness.REPO / "configs" / "tiny_transformer.yaml"
 FACTOR = 4
 ARMS = {"linear": "linear", "yarn": "yarn", "none": "none"}  # trained arm -> --model.rope_scaling
 ZERO_SHOT = ("none", "linear", "ntk", "yarn")
@@ -43,7 +44,7 @@ def arm_flags(scaling: str, long: int) -> list[str]:
 
 
 def scenarios(args, work: pathlib.Path, fasta: str) -> list[dict]:
-    """Each scenario: its run directory and its flags over configs/tiny.yaml."""
+    """Each scenario: its run directory and its flags over configs/tiny_transformer.yaml."""
     total = args.base_steps + args.extra_steps
     common = ["--data.fasta", fasta, "--train.max_steps", str(total), "--train.warmup_steps", str(args.warmup)]
     common += [
@@ -137,7 +138,7 @@ def write(results: pathlib.Path, rows: list[dict], meta: dict) -> None:
         + ", ".join(f"{k} {v:.0f}" for k, v in meta["walls"].items())
         + ".",
         "",
-        f"configs/tiny.yaml (E. coli K-12 MG1655, d_model 128, 4 blocks, ZeRO-1 + bf16, global batch "
+        f"configs/tiny_transformer.yaml (E. coli K-12 MG1655, d_model 128, 4 blocks, ZeRO-1 + bf16, global batch "
         f"{meta['global_batch']} windows): base trained {meta['base_steps']} steps at context {s} of a "
         f"{meta['base_steps'] + meta['extra_steps']}-step cosine schedule, then each continuation resumed its "
         f"checkpoint at context {long} (x{FACTOR}) for the last {meta['extra_steps']} steps. Held-out bits/base "

@@ -1,9 +1,11 @@
 """The default job and the one-hour CPU recipe against the strongest Markov baseline, through the real launcher.
 
 Arms (each a `bash launch/local.sh` run on 2 CPU ranks, the same genome and held-out range):
-  old_default   configs/tiny.yaml as it was until 2026-12-02: AdamW, cosine at 2e-3, 512-base windows, micro batch 8
+  old_default   configs/tiny_transformer.yaml (the default job's configs/tiny.yaml until 2026-12-03) as it was until
+                2026-12-02: AdamW, cosine at 2e-3, 512-base windows, micro batch 8
   wsd           the same with warmup-stable-decay at 4e-3
-  default       configs/tiny.yaml today: WSD at 4e-3, 1024-base windows, micro batch 4 (same tokens per step)
+  default       configs/tiny_transformer.yaml today: WSD at 4e-3, 1024-base windows, micro batch 4 (same tokens per
+                step)
   cpu_1h        configs/cpu_1h.yaml: d_model 256, 2000 steps, WSD at 3e-3 (sized for one hour on a quiet 2-core CPU)
 
 An arm whose run directory under --work already holds a summary.json is read, not run again (a rerun of a finished
@@ -26,9 +28,9 @@ import harness
 OLD = ["--data.seq_len", "512", "--train.micro_batch_size", "8", "--data.eval_windows", "512"]
 COSINE = ["--train.schedule", "cosine", "--train.lr", "2e-3", "--train.min_lr", "2e-4"]
 ARMS = {
-    "old_default": ["configs/tiny.yaml", *OLD, *COSINE],
-    "wsd": ["configs/tiny.yaml", *OLD],
-    "default": ["configs/tiny.yaml"],
+    "old_default": ["configs/tiny_transformer.yaml", *OLD, *COSINE],
+    "wsd": ["configs/tiny_transformer.yaml", *OLD],
+    "default": ["configs/tiny_transformer.yaml"],
     "cpu_1h": ["configs/cpu_1h.yaml"],
 }
 MARGIN = 0.05  # issue 15: the default job should beat the strongest baseline by this much

@@ -1,13 +1,14 @@
 """Distillation on the default genome: a small student's held-out bits/base with and without the teacher, at equal
 steps and tokens.
 
-    python benchmarks/distill.py [--teacher runs/tiny] [--steps 300] [--ranks 2]
+    python benchmarks/distill.py [--teacher runs/tiny_transformer] [--steps 300] [--ranks 2]
 
-The teacher is the default job's run (configs/tiny.yaml: 128 x 4 layers, E. coli K-12; run README command 1 first).
-Two students of configs/tiny.yaml's data and schedule shortened to --steps, 64 wide and 2 layers deep, train through
-the `deepspeed` launcher: one on the usual loss, one with --train.distill_from the teacher (alpha 0.5, T 2). Both see
-the same windows in the same order (same seed), so the only difference is the teacher's soft targets. Writes
-benchmarks/results/distill.md and .json (every figure from this command's runs).
+The teacher is the default job's transformer twin's run (configs/tiny_transformer.yaml: 128 x 4 layers, E. coli K-12;
+`bash launch/local.sh --config configs/tiny_transformer.yaml` first).
+Two students of configs/tiny_transformer.yaml's data and schedule shortened to --steps, 64 wide and 2 layers deep,
+train through the `deepspeed` launcher: one on the usual loss, one with --train.distill_from the teacher (alpha 0.5,
+T 2). Both see the same windows in the same order (same seed), so the only difference is the teacher's soft targets.
+Writes benchmarks/results/distill.md and .json (every figure from this command's runs).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ def final_eval(run_dir: pathlib.Path) -> dict:
 def train(name: str, extra: list[str], steps: int, ranks: int, work: pathlib.Path) -> dict:
     run_dir = work / name
     cmd = harness.deepspeed_cmd(ranks, "--module", "megagenome", "pretrain")
-    cmd += ["--config", "configs/tiny.yaml", *STUDENT, "--train.max_steps", str(steps), "--log.run_dir", str(run_dir)]
+    cmd += [
+        "--config",
+        "configs/tiny_transformer.yaml",
+        *STUDENT,
+        "--train.max_steps",
+        str(steps),
+        "--log.run_dir",
+        str(run_dir),
+    ]
     cmd += ["--train.eval_interval", str(steps), "--checkpoint.interval", "0", "--log.progress", "false", *extra]
     started = time.perf_counter()
     subprocess.run(cmd, cwd=harness.REPO, check=True, env=harness.child_env())
@@ -55,10 +64,10 @@ def markdown(r: dict) -> str:
             f"Written by `python benchmarks/distill.py {' '.join(r['argv'])}` on {r['date']}.",
             f"Hardware: {r['hardware']}; {r['software']}.",
             "",
-            f"Teacher: `{r['teacher_run']}` (configs/tiny.yaml: d_model 128, 4 layers), held-out "
+            f"Teacher: `{r['teacher_run']}` (configs/tiny_transformer.yaml: d_model 128, 4 layers), held-out "
             f"{t['bits_per_base']:.4f} bits/base after {t['step']} steps ({t['tokens']:,} tokens).",
-            f"Students: d_model 64, 2 layers, {r['steps']} steps of configs/tiny.yaml's batch (same seed, same "
-            "windows); distilled with alpha 0.5, temperature 2.",
+            f"Students: d_model 64, 2 layers, {r['steps']} steps of configs/tiny_transformer.yaml's batch (same seed, "
+            "same windows); distilled with alpha 0.5, temperature 2.",
             "",
             "| student | parameters | steps | tokens | held-out bits/base | wall s |",
             "|---|---:|---:|---:|---:|---:|",
@@ -77,14 +86,17 @@ def markdown(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = harness.parser(__doc__)
-    ap.add_argument("--teacher", default="runs/tiny", help="The teacher's run directory (the default job's).")
+    ap.add_argument("--teacher", default="runs/tiny_transformer", help="The teacher's run directory.")
     ap.add_argument("--steps", type=int, default=300, help="Training steps of each student.")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--results", default=str(harness.RESULTS))
     args = ap.parse_args(argv)
     teacher = (harness.REPO / args.teacher).resolve()
     if not (teacher / "checkpoints").is_dir():
-        sys.exit(f"{teacher}: no checkpoints; train the teacher first (README command 1, configs/tiny.yaml)")
+        sys.exit(
+            f"{teacher}: no checkpoints; train the teacher first "
+            "(bash launch/local.sh --config configs/tiny_transformer.yaml)"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
         students = {

@@ -18,8 +18,10 @@ recorded as skipped, with the reason):
    back from cuDNN to another kernel for a shape cuDNN refuses, silently), torch's fused AdamW (build_ds_config's GPU
    default: nothing is JIT-built), 5 warm-up + 10 timed optimizer steps of one micro batch each, with a metrics row,
    and so a wait for the GPU (train/sync_points.py), only every 5 steps. The goal cells (1B at 8192 and 32768) come
-   first, then the goal cell with --model.compile true. A cell's child process is ended as soon as its timed rows are
-   written, so no held-out evaluation and no checkpoint (~16 GB at 1B) happens in or after it; tokens/s is that of
+   first, then the goal cell with --model.compile true; then the rest, the StripedHyena 2 cells last
+   (configs/striped_1b.yaml, Evo 2 1B's shape, at 8192 and 32768: FFT convolutions and attention stripes; their MFU
+   from the family's own FLOP count, model/hyena/costs.py). A cell's child process is ended as soon as its timed rows
+   are written, so no held-out evaluation and no checkpoint (~16 GB at 1B) happens in or after it; tokens/s is that of
    the 2 timed rows (their tokens over their wall time, each from one sync point to the next).
 3. Hugging Face peer cells of the same shapes: transformers' LlamaForCausalLM (vocabulary 8, width, layers, heads,
    SwiGLU width and tied embeddings as ours), "flash_attention_2" where flash-attn imports, else "sdpa"; fp32

@@ -32,26 +32,30 @@ from megagenome.observe.record import write_yaml
 from megagenome.run import trials
 
 REPO = harness.REPO
-MODELS = {"125M": "configs/dna_125m.yaml", "1B": "configs/dna_1b.yaml"}
+MODELS = {"125M": "configs/dna_125m.yaml", "1B": "configs/dna_1b.yaml", "S1B": "configs/striped_1b.yaml"}
 # (model, sequence, variant): the goal cells first (1B at 8192 and 32768), then the compiled goal cell, the rest.
 # Variants: "eager" runs --model.attention auto, "compile" adds --model.compile true, "flash" forces flash-attn 2
 # (only where it imports: auto prefers cuDNN attention or FA3 on Hopper, so flash-attn would otherwise never run).
 MEGAGENOME_CELLS = [("1B", 8192, "eager"), ("1B", 32768, "eager"), ("1B", 8192, "compile"), ("1B", 8192, "flash")]
 MEGAGENOME_CELLS += [("1B", 2048, "eager"), ("125M", 8192, "eager"), ("125M", 32768, "eager"), ("125M", 2048, "eager")]
+# StripedHyena 2 at Evo 2 1B's shape (model/hyena/): its FFT convolutions and attention stripes at 8k and 32k.
+MEGAGENOME_CELLS += [("S1B", 8192, "eager"), ("S1B", 32768, "eager")]
 PEER_CELLS = [("1B", 8192), ("1B", 2048), ("125M", 8192), ("125M", 2048), ("1B", 32768), ("125M", 32768)]
 # --smoke runs a subset (each cell is a process start on a CPU): both goal cells, the compiled one, the flash one
 # (skipped: no flash-attn on CPU), one 125M cell, and the peer at two shapes.
-SMOKE_CELLS = [*MEGAGENOME_CELLS[:4], ("125M", 2048, "eager")]
+SMOKE_CELLS = [*MEGAGENOME_CELLS[:4], ("125M", 2048, "eager"), ("S1B", 8192, "eager")]
 SMOKE_PEER_CELLS = [("1B", 8192), ("125M", 2048)]
 # Smoke mode: the same cells at tiny shapes on CPU (name -> model overrides; sequence 2048 -> 64, 8192 -> 128, ...).
 SMOKE_MODELS = {
     "125M": {"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 128},
     "1B": {"d_model": 64, "n_layer": 2, "n_head": 4, "d_ff": 192},  # 8/3 x d rounded up to 64, as the YAMLs' widths
+    "S1B": {"d_model": 64, "n_layer": 4, "n_head": 4, "d_ff": 192, "layer_pattern": "SE MR LI A"},
 }
 SMOKE_SEQ = {2048: 64, 8192: 128, 32768: 256}
 # Seconds a cell needs at least: start-up (imports, model build, engine), the steps; the compiled variant adds
 # inductor's compilation of the block (once, in the warm-up steps).
-NEEDS = {("megagenome", "1B"): 60, ("megagenome", "125M"): 30, ("hf", "1B"): 45, ("hf", "125M"): 25}
+NEEDS = {("megagenome", "1B"): 60, ("megagenome", "125M"): 30, ("megagenome", "S1B"): 60, ("hf", "1B"): 45,
+         ("hf", "125M"): 25}  # fmt: skip
 COMPILE_EXTRA_S = 60
 ACT_BYTES_PER_TOKEN_LAYER = 61  # x d_model, bf16: measured saved activations of one Block (gpu_check docstring)
 STATE_BYTES_PER_PARAM = 20  # bf16 weights and gradients, fp32 gradient accumulation, fp32 master weights, Adam m and v
@@ -275,8 +279,10 @@ def with_mfu(cell: dict, peak_tflops: float | None) -> dict:
         return cell
     out = dict(cell)
     args = (cell["parameters"], cell["n_layer"], cell["d_model"], cell["seq"])
-    for suffix, causal in (("", True), ("_full_attn", False)):
-        tflops = flops_per_token(*args, causal=causal) * cell["tokens_per_s"] / 1e12
+    for i, (suffix, causal) in enumerate((("", True), ("_full_attn", False))):
+        # A Hyena family's cell carries its own count (the family's run_flops: model/hyena/costs.py).
+        per_token = cell["flops_per_token"][i] if cell.get("flops_per_token") else flops_per_token(*args, causal=causal)
+        tflops = per_token * cell["tokens_per_s"] / 1e12
         out[f"tflops_per_gpu{suffix}"] = tflops
         out[f"mfu{suffix}"] = tflops / peak_tflops if peak_tflops else None
     return out
@@ -297,10 +303,10 @@ def parameters(cfg: RootConfig) -> int:
     import torch
 
     from megagenome.data.tokenizer import VOCAB_SIZE
-    from megagenome.model.transformer import DNATransformer
+    from megagenome.model import family_of
 
     with torch.device("meta"):
-        return DNATransformer(cfg.model, VOCAB_SIZE).num_parameters()
+        return family_of(cfg.model).build(cfg.model, VOCAB_SIZE).num_parameters()
 
 
 def peer_available() -> str | None:
@@ -382,7 +388,18 @@ def _peer_one(base: dict, smoke, plan: dict, clock, work: pathlib.Path, dev: dic
 def _shaped(base: dict, variant: str, smoke: bool, work: pathlib.Path) -> tuple[RootConfig, dict]:
     cfg = cell_config(base["model"], base["seq"], variant, smoke, genome_copy(base["model"], work))
     m = cfg.model
-    return cfg, {**base, "d_model": m.d_model, "n_layer": m.n_layer, "n_head": m.n_head}
+    out = {**base, "d_model": m.d_model, "n_layer": m.n_layer, "n_head": m.n_head}
+    if m.family != "transformer":  # its FLOPs per token in both conventions, for with_mfu
+        from megagenome.data.tokenizer import VOCAB_SIZE
+        from megagenome.model import family_of
+
+        family = family_of(m)
+        n, block = family.parameter_counts(m, VOCAB_SIZE)
+        out["family"], out["flops_per_token"] = (
+            m.family,
+            list(family.run_flops(m, n, block, base["seq"], True, False)[:2]),
+        )
+    return cfg, out
 
 
 def _micro(cfg: RootConfig, seq: int, smoke: bool, dev: dict) -> int:

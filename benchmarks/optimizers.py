@@ -2,10 +2,10 @@
 
     python benchmarks/optimizers.py [--steps 100] [--ranks 2] [--lrs adamw=1e-3,2e-3 muon=0.01,0.02 ...]
 
-Every arm trains configs/tiny.yaml's model (d_model 128, 4 layers) on its genome (E. coli K-12 MG1655, the last ~5%
-held out) for the same --steps optimizer steps of its batch (16 windows of 512 bases: the same token budget and the
-same windows in the same order for every arm), warmup 10% of the steps, then evaluates the whole held-out range once.
-Per optimizer, each learning rate of its sweep is one arm (the sweep is written into the table); every AdamW LR is
+Every arm trains configs/tiny_transformer.yaml's model (d_model 128, 4 layers) on its genome (E. coli K-12 MG1655, the
+last ~5% held out) for the same --steps optimizer steps of its batch (16 windows of 512 bases: the same token budget and
+the same windows in the same order for every arm), warmup 10% of the steps, then evaluates the whole held-out range
+once. Per optimizer, each learning rate of its sweep is one arm (the sweep is written into the table); every AdamW LR is
 also run with the warmup-stable-decay schedule (decay over the last 20% of the steps, 1-sqrt shape). The engine is
 ZeRO-0 in fp32 (ds_configs/zero0.json) for every arm, because LAMB and Adafactor are refused where DeepSpeed hands
 the optimizer flat partitions (ZeRO 1-3, the bf16 wrapper): the comparison is then of the optimizers alone.
@@ -34,7 +34,7 @@ import time
 
 import harness
 
-TINY = harness.REPO / "configs" / "tiny.yaml"
+TINY = harness.REPO / "configs" / "tiny_transformer.yaml"
 DEFAULT_LRS = {
     "adamw": [2e-3, 4e-3],
     "lamb": [5e-3, 2e-2],
@@ -67,7 +67,7 @@ def sweep(args) -> dict[str, list[float]]:
 
 
 def arm_flags(optimizer: str, lr: float, schedule: str = "cosine") -> list[str]:
-    """The flags of one arm over configs/tiny.yaml (its optimizer, LR and schedule)."""
+    """The flags of one arm over configs/tiny_transformer.yaml (its optimizer, LR and schedule)."""
     flags = ["--train.optimizer", optimizer, "--train.schedule", schedule]
     if optimizer == "muon":
         return flags + ["--train.muon_lr", str(lr), "--train.lr", str(MUON_ADAM_LR), "--train.min_lr", "2e-4"]
@@ -205,7 +205,8 @@ def markdown(meta: dict, rows: list[dict], memory_rows: list[dict]) -> str:
         f"Hardware: {meta['hardware']}; {meta['software']}. Load average (1, 5, 15 min) before: {meta['load_before']};"
         f" after: {meta['load_after']}. Wall time {meta['wall_s']:.0f} s.",
         "",
-        f"Model: configs/tiny.yaml (d_model 128, 4 layers, {meta.get('parameters') or '?'} parameters), E. coli K-12"
+        f"Model: configs/tiny_transformer.yaml (d_model 128, 4 layers, {meta.get('parameters') or '?'} parameters), "
+        "E. coli K-12"
         f" MG1655 with the last ~5% held out; {meta['steps']} steps x 16 windows x 512 bases"
         f" ({meta['steps'] * 8192:,} tokens) per arm, the same windows in the same order; warmup"
         f" {max(1, meta['steps'] // 10)} steps; ZeRO-0 fp32 on 2 CPU ranks; held-out bits/base over the whole"

@@ -1,7 +1,7 @@
 """Pretraining throughput and learning speed on this machine, through the real `deepspeed` launcher.
 
 Measures, in one invocation:
-  1. tokens/s of configs/tiny.yaml and of a ~20M-parameter shape (d_model 512, 6 layers) on the same
+  1. tokens/s of configs/tiny_transformer.yaml and of a ~20M-parameter shape (d_model 512, 6 layers) on the same
      ranks, as the median over logged intervals after the first (warm-up) interval;
   2. the steps the tiny model needs before its held-out bits/base drops below each order-k Markov
      baseline (k = 0..8), from a full tiny run evaluated every --eval_every steps.
@@ -22,7 +22,7 @@ import subprocess
 import harness
 
 SHAPES = {
-    "tiny (configs/tiny.yaml)": [],
+    "tiny (configs/tiny_transformer.yaml)": [],
     "~20M (d_model 512, 6 layers, 8 heads)": ["--model.d_model", "512", "--model.n_layer", "6", "--model.n_head", "8"]
     + ["--train.micro_batch_size", "2"],
 }
@@ -31,7 +31,12 @@ SPEED_RUN += ["--train.eval_interval", "0", "--data.eval_windows", "2"]
 
 
 def launch(nproc: int, run_dir: pathlib.Path, *overrides: str) -> None:
-    cmd = ["bash", str(harness.REPO / "launch" / "local.sh"), "--config", str(harness.REPO / "configs" / "tiny.yaml")]
+    cmd = [
+        "bash",
+        str(harness.REPO / "launch" / "local.sh"),
+        "--config",
+        str(harness.REPO / "configs" / "tiny_transformer.yaml"),
+    ]
     cmd += ["--log.run_dir", str(run_dir), "--log.progress", "false", "--checkpoint.resume", "none", *overrides]
     subprocess.run(
         cmd, cwd=harness.REPO, env=harness.child_env(NPROC=str(nproc)), check=True, stdout=subprocess.DEVNULL
@@ -99,7 +104,9 @@ def full_run(nproc: int, steps: int, eval_every: int, full: pathlib.Path) -> dic
 def main() -> None:
     ap = harness.parser(__doc__)
     ap.add_argument("--nproc", type=int, default=2, help="CPU ranks")
-    ap.add_argument("--tiny_steps", type=int, default=600, help="steps of the full tiny run (configs/tiny.yaml: 600)")
+    ap.add_argument(
+        "--tiny_steps", type=int, default=600, help="steps of the full tiny run (configs/tiny_transformer.yaml: 600)"
+    )
     ap.add_argument("--eval_every", type=int, default=50, help="evaluation interval of the full tiny run")
     args = ap.parse_args()
     work = harness.work_dir("mg-bench-")
@@ -125,7 +132,8 @@ def markdown(r: dict) -> str:
         f"# Pretraining on CPU: throughput and steps to beat Markov baselines ({r['date']})",
         "",
         f"Hardware: {r['hardware']}; {r['ranks']} ranks through the `deepspeed` launcher, ZeRO-1 bf16 "
-        "(configs/tiny.yaml's DeepSpeed JSON; ds_configs/zero1_bf16.json before 2026-12-01, the same engine).",
+        "(configs/tiny_transformer.yaml's DeepSpeed JSON; ds_configs/zero1_bf16.json before 2026-12-01, the same "
+        "engine).",
         f"Command: `{r['command']}`",
         "",
         "| model | parameters | tokens/step | tokens/s (all ranks, median) |",

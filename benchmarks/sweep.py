@@ -56,7 +56,7 @@ from sweep_results import NOTES, rank_records, summarise, write_results
 REPO = harness.REPO
 # name -> (d_model, n_layer, n_head); parameter counts (tied embeddings, 8-token vocabulary) in the results.
 SIZES = {
-    "tiny": (128, 4, 4),  # configs/tiny.yaml, 0.85M
+    "tiny": (128, 4, 4),  # configs/tiny_transformer.yaml, 0.85M
     "20m": (512, 6, 8),  # benchmarks/pretrain_cpu.py's ~20M shape
     "51m": (512, 16, 8),  # benchmarks/memory_sweep.py's model
     "125m": (768, 12, 12),  # configs/dna_125m.yaml

@@ -18,9 +18,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_check_cells as cells  # noqa: E402
 
+from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.model.hyena import STRIPED_HYENA
 from megagenome.model.transformer.flops import flops_per_token
 from megagenome.observe.metrics import gpu_peak  # noqa: E402
 
+STRIPED_SMOKE_PARAMETERS = 228_736  # the striped smoke shape: d 64, SE, MR, LI and attention layers
 H200 = 150_000_000_000  # bytes torch reports for an H200 (~139.7 GiB)
 H100 = 85_000_000_000  # an H100 80GB
 
@@ -170,7 +173,7 @@ def test_a_cell_that_raises_is_recorded_and_results_are_written_after_each_cell(
     monkeypatch.setattr(cells, "hf_cell", fake_peer)
     monkeypatch.chdir(tmp_path)  # main() moves to the repository root
     assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 0
-    assert [len(r["cells"]) for r in seen] == [0, 1, 2, 4]  # the flash cell is skipped on CPU without a call
+    assert [len(r["cells"]) for r in seen] == [0, 1, 2, 4, 5]  # the flash cell is skipped on CPU without a call
     assert not any(r["complete"] for r in seen) and seen[1]["cells"][0]["status"] == "error"
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     first, *rest = r["cells"]
@@ -180,7 +183,7 @@ def test_a_cell_that_raises_is_recorded_and_results_are_written_after_each_cell(
         128,
         "eager",
     )
-    assert [c["status"] for c in rest if c["impl"] == "megagenome"] == ["ok", "ok", "skipped", "ok"]
+    assert [c["status"] for c in rest if c["impl"] == "megagenome"] == ["ok", "ok", "skipped", "ok", "ok"]
     peer = "skipped" if importlib.util.find_spec("transformers") is None else "ok"
     assert [c["status"] for c in rest if c["impl"] == "hf"] == [peer, peer]
     assert "| error: RuntimeError: boom in the first cell |" in (tmp_path / "gpu_check.md").read_text()
@@ -209,18 +212,25 @@ def test_smoke_run_end_to_end(tmp_path):
     peers = [c for c in r["cells"] if c["impl"] == "hf"]
     shapes = [(c["model"], c["seq"], c["variant"]) for c in ours]
     assert shapes == [("1B", 128, "eager"), ("1B", 256, "eager"), ("1B", 128, "compile"), ("1B", 128, "flash")] + [
-        ("125M", 64, "eager")
+        ("125M", 64, "eager"),
+        ("S1B", 128, "eager"),
     ]
     flash = ours.pop(3)
     assert flash["status"] == "skipped" and flash["reason"] == "flash-attn is not importable here"
-    params = {"1B": 107_328, "125M": 33_184}  # the smoke shapes: d 64 x 2 layers, d 32 x 2 layers
+    # the smoke shapes: d 64 x 2 layers, d 32 x 2 layers, a striped d 64 x 4 layers (SE, MR, LI, attention)
+    params = {"1B": 107_328, "125M": 33_184, "S1B": STRIPED_SMOKE_PARAMETERS}
     for c in ours:
         assert c["status"] == "ok" and c["ended"] == "done", c  # ended once its rows were written
         assert (c["log_interval"], c["warmup"], c["steps"], c["attention_auto_choice"]) == (2, 2, 2, "sdpa")
         assert len(c["row_tokens_per_s"]) == 1 and c["timed_s"] > 0  # one timed row of 2 steps
         assert c["parameters"] == params[c["model"]] and c["micro"] == 2 and c["tokens_per_s"] > 0
-        for suffix, causal in (("", True), ("_full_attn", False)):
+        for i, (suffix, causal) in enumerate((("", True), ("_full_attn", False))):
             flops = flops_per_token(c["parameters"], c["n_layer"], c["d_model"], c["seq"], causal=causal)
+            if c["model"] == "S1B":  # the family's own count (model/hyena/costs.py), carried by the cell
+                cfg = cells.cell_config("S1B", c["seq"], "eager", True, "unused.fa").model
+                n, block = STRIPED_HYENA.parameter_counts(cfg, VOCAB_SIZE)
+                assert c["flops_per_token"] == list(STRIPED_HYENA.run_flops(cfg, n, block, c["seq"], True, False)[:2])
+                flops = c["flops_per_token"][i]
             assert c[f"tflops_per_gpu{suffix}"] == pytest.approx(flops * c["tokens_per_s"] / 1e12, rel=1e-6)
             assert c[f"mfu{suffix}"] == pytest.approx(c[f"tflops_per_gpu{suffix}"] / c["peak_tflops"], rel=1e-6)
         assert c["peak_source"] == "measured-cpu-matmul" and c["peak_mem_bytes"] > 0
