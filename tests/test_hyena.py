@@ -160,6 +160,9 @@ def test_sequence_parallel_chunks_must_hold_the_longest_halo():
     want = "--data.seq_len=32 over --parallel.sequence=2 leaves 16 positions per rank, fewer than 31"
     assert want in str(err.value)
     assert ParallelLayout.build(2, ParallelConfig(sequence=2), cfg, 64, rules).sequence == 2
+    with pytest.raises(LayoutError) as err:  # a sequence-length warmup's shorter windows too
+        ParallelLayout.build(2, ParallelConfig(sequence=2), cfg, 64, rules, warmup_lengths=(32,))
+    assert "--data.seq_warmup_lengths=32 over --parallel.sequence=2 leaves 16 positions per rank" in str(err.value)
     long_mr = tiny("striped_hyena", mr_filter_len=128)  # by FFT: all-to-alls, no halo beyond SE's 6 positions
     rules = family_of(long_mr).parallel_rules(long_mr, VOCAB_SIZE)
     assert ParallelLayout.build(2, ParallelConfig(sequence=2), long_mr, 32, rules).sequence == 2

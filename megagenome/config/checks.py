@@ -23,7 +23,7 @@ from megagenome.config.sections import (
     TrainConfig,
     parse_region,
 )
-from megagenome.config.shapes import hyena_problems
+from megagenome.config.shapes import hyena_problems, layer_kinds
 
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -128,7 +128,7 @@ def _model_problems(m: ModelConfig) -> list[str]:
     if m.d_model > 0 and m.n_head > 0:
         if m.d_model % m.n_head:
             problems.append(f"--model.d_model={m.d_model} is not divisible by --model.n_head={m.n_head}")
-        elif (m.d_model // m.n_head) % 2:
+        elif (m.d_model // m.n_head) % 2 and "A" in layer_kinds(m):  # rotary attention layers (none in hyena)
             problems.append(
                 f"head size --model.d_model/--model.n_head={m.d_model // m.n_head} must be even for rotary embeddings"
             )

@@ -121,18 +121,20 @@ class ParallelLayout:
         rules,
         zero: dict | None = None,
         zero_source: str = "the DeepSpeed JSON",
+        warmup_lengths: tuple[int, ...] = (),
     ) -> ParallelLayout:
         """The layout of `parallel` over `world_size` ranks for this model and window length, with the ZeRO stage of
         `zero` (the DeepSpeed JSON's zero_optimization section, set in `zero_source`). rules: the model family's
-        ParallelRules for this model (model/family.py: what each degree must divide). Raises LayoutError listing
-        every problem."""
+        ParallelRules for this model (model/family.py: what each degree must divide); warmup_lengths: the shorter
+        windows of a sequence-length warmup (--data.seq_warmup_lengths), whose chunks must hold the family's halo
+        too. Raises LayoutError listing every problem."""
         stage = (zero or {}).get("stage", 0)
         layout = cls(
             world_size, parallel.tensor, parallel.sequence, parallel.pipeline, stage if isinstance(stage, int) else 0
         )
         problems = _degree_problems(layout)
         if not problems:
-            problems += _sequence_problems(layout, rules, seq_len)
+            problems += _sequence_problems(layout, rules, seq_len, warmup_lengths)
             problems += _tensor_problems(layout, rules)
         problems += _pipeline_problems(parallel, model, rules)
         problems += _zero_problems(layout, zero or {}, zero_source)
@@ -171,7 +173,7 @@ def _indivisible(sizes, degree: int, flags: str) -> list[str]:
     return [f"{d.what} is not divisible by {flags}{d.why}" for d in sizes if d.size % degree]
 
 
-def _sequence_problems(layout: ParallelLayout, rules, seq_len: int) -> list[str]:
+def _sequence_problems(layout: ParallelLayout, rules, seq_len: int, warmup_lengths: tuple[int, ...] = ()) -> list[str]:
     """Sequence parallelism (DeepSpeed-Ulysses, parallel/sequence.py) splits every window; each rank holds the
     sizes of the family's rules.sequence (attention heads for the transformer) whole."""
     sp, tp, pp = layout.sequence, layout.tensor, layout.pipeline
@@ -184,11 +186,12 @@ def _sequence_problems(layout: ParallelLayout, rules, seq_len: int) -> list[str]
             "rank holds an equal chunk of every window"
         )
     least, why = rules.sequence_min_chunk
-    if seq_len > 0 and not seq_len % sp and seq_len // sp < least:
-        problems.append(
-            f"--data.seq_len={seq_len} over --parallel.sequence={sp} leaves {seq_len // sp} positions per rank, "
-            f"fewer than {least}: {why}"
-        )
+    for flag, length in [("--data.seq_len", seq_len), *(("--data.seq_warmup_lengths", n) for n in warmup_lengths)]:
+        if length > 0 and not length % sp and length // sp < least:
+            problems.append(
+                f"{flag}={length} over --parallel.sequence={sp} leaves {length // sp} positions per rank, fewer than "
+                f"{least}: {why}"
+            )
     flags = f"--parallel.sequence={sp}" + (f" x --parallel.tensor={tp}" if tp > 1 else "")
     problems += _indivisible(rules.sequence, sp * tp, flags)
     if pp > 1:

@@ -92,7 +92,8 @@ def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tu
     if not shape_ok or cluster.gpus < 1 or par.pipeline != 1 or par.sequence != 1:
         return None, problems
     try:
-        layout = ParallelLayout.build(cluster.gpus, par, m, cfg.data.seq_len, family.parallel_rules(m, VOCAB_SIZE))
+        rules, warmup = family.parallel_rules(m, VOCAB_SIZE), tuple(cfg.data.seq_warmup_lengths or ())
+        layout = ParallelLayout.build(cluster.gpus, par, m, cfg.data.seq_len, rules, warmup_lengths=warmup)
     except LayoutError as e:
         return None, problems + e.problems
     if par.tensor > cluster.gpus_per_node:

@@ -124,7 +124,10 @@ def _layout(cfg: RootConfig, world_size: int, ds_json: dict) -> ParallelLayout:
     zero = ds_config.zero_section(ds_json)
     files = ds_config.ds_config_files(cfg.train)
     rules = family_of(cfg.model).parallel_rules(cfg.model, VOCAB_SIZE)
-    return ParallelLayout.build(world_size, cfg.parallel, cfg.model, cfg.data.seq_len, rules, zero, " + ".join(files))
+    warmup = tuple(cfg.data.seq_warmup_lengths or ())
+    return ParallelLayout.build(
+        world_size, cfg.parallel, cfg.model, cfg.data.seq_len, rules, zero, " + ".join(files), warmup
+    )
 
 
 def _data(cfg: RootConfig, layout: ParallelLayout) -> tuple[GenomeData | None, list[str]]:

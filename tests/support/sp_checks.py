@@ -76,12 +76,12 @@ def _model_case(sp_attention, group, rank: int, sp: int, objective: str, checkpo
     return _compare(ref, model, batch, group, rank, sp)
 
 
-def _hyena_case(sp_attention, group, rank: int, sp: int, family: str, checkpointing: str, dtype) -> dict:
+def _hyena_case(sp_attention, group, rank: int, sp: int, family: str, checkpointing: str, dtype, mr: int = 12) -> dict:
     """A whole Hyena-family model (striped: one SE, MR, LI and attention layer; hyena: H layers) split over the sp
     ranks by the convolution exchanges (parallel/sequence_conv.py) and Ulysses attention, against the model on
     whole sequences: chunk logits, summed chunk losses, sp-summed gradients, with non-uniform loss weights."""
     cfg = ModelConfig(family=family, d_model=32, n_layer=4, n_head=4, max_seq_len=64, layer_pattern="SE MR LI A",
-                      mr_filter_len=12, checkpointing=checkpointing)  # fmt: skip
+                      mr_filter_len=mr, checkpointing=checkpointing)  # fmt: skip
     batch = _weighted_batch(2, 32, 13)
     models = []
     for _ in range(2):
@@ -168,6 +168,10 @@ def attention_equivalence(run_dir: str) -> None:
             for ckpt in ("none", "selective", "full"):
                 key = f"hyena/{dname}/{family}/{ckpt}"
                 results[key] = _hyena_case(sp_attention, group, rank, world, family, ckpt, dtype)
+        # MR of 40 taps, above DIRECT_MAX_TAPS: by FFT, its explicit filters split by channel between all-to-alls
+        results[f"hyena/{dname}/striped_hyena_mr40/none"] = _hyena_case(
+            sp_attention, group, rank, world, "striped_hyena", "none", dtype, mr=40
+        )
     results["controls"] = _controls(sp_attention, rank, world)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:

@@ -117,8 +117,11 @@ class ImplicitFilter(nn.Module):
     over the positional features of max_seq_len positions, times the exponential decay.
 
     The features and the decay are computed in float32 at every call, not kept as buffers: DeepSpeed's bf16 and
-    fp16 cast a module's floating-point buffers with its weights, and positions t in [0, 1] rounded to bf16 would
-    share a value every few positions past the first 256. Only the channel indices are kept (integers, never cast)."""
+    fp16 cast a module's floating-point buffers with its weights, and a decay rounded to bf16 would lose its
+    precision. The decay multiplies the filter in float32; the features enter the MLP in its weights' dtype, as
+    HyenaDNA's do under autocast (in bf16, t in [0, 1] then resolves 1/256: neighbouring positions past the first 256
+    share their first feature, the Fourier features still tell them apart). Only the channel indices are kept
+    (integers, never cast)."""
 
     def __init__(self, cfg: ModelConfig, layers):
         super().__init__()

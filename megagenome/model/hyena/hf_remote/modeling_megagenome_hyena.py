@@ -131,10 +131,10 @@ class ImplicitFilter(nn.Module):
         return torch.cat([t[:, None], z.real, z.imag], dim=-1), exponential_decay(d, t)
 
     def forward(self, T):
-        dtype = self.out.weight.dtype  # megagenome's tables are buffers, cast with the weights: rounded alike
+        dtype = self.out.weight.dtype  # the features enter the MLP in its dtype, as in megagenome; the decay stays fp32
         features, decay = self.tables.on(self.out.weight.device)
         h = self.out(self.mlp(features[:T].to(dtype)))
-        return h.float().t() * decay[:, :T].to(dtype).float()
+        return h.float().t() * decay[:, :T]
 
 
 class ExplicitFilter(nn.Module):
@@ -148,7 +148,7 @@ class ExplicitFilter(nn.Module):
 
     def forward(self, T):
         h = self.h.float()
-        return h * self.tables.on(self.h.device)[0].to(self.h.dtype).float() if self.decay else h
+        return h * self.tables.on(self.h.device)[0] if self.decay else h  # the decay in float32, as in megagenome
 
 
 class ModalFilter(nn.Module):
