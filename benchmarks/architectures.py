@@ -48,6 +48,14 @@ def wall_flags(steps: int) -> list[str]:
             "--train.eval_interval", str(max(1, steps // 3))]  # fmt: skip
 
 
+def model_flags(config: str) -> list[str]:
+    """The family config's model section as flags over configs/cpu_1h.yaml's (whose model is the transformer's)."""
+    import yaml
+
+    shape = yaml.safe_load((harness.REPO / config).read_text())["model"]
+    return [item for key, value in shape.items() for item in (f"--model.{key}", str(value))]
+
+
 def learning(work: pathlib.Path, budgets: list[str]) -> dict:
     out = {}
     for family, config in FAMILIES.items():
@@ -66,8 +74,8 @@ def learning(work: pathlib.Path, budgets: list[str]) -> dict:
     if "cpu_1h" in budgets:
         for family, config in FAMILIES.items():
             name = f"{family}@cpu_1h"
-            flags = [] if family == "transformer" else ["--model", config]
-            ran = launch(work / name, "configs/cpu_1h.yaml", *flags)
+            flags = [] if family == "transformer" else model_flags(config)
+            ran = launch(work / name, "configs/cpu_1h.yaml", *flags, checkpoint_interval=500)  # an hour: resumable
             out[name] = {**collect(work / name), **ran}
     return out
 

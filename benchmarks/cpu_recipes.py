@@ -36,12 +36,14 @@ ARMS = {
 MARGIN = 0.05  # issue 15: the default job should beat the strongest baseline by this much
 
 
-def launch(run_dir: pathlib.Path, config: str, *flags: str) -> dict:
-    """Runs one arm unless it already finished; returns its load averages around the run (None when read)."""
+def launch(run_dir: pathlib.Path, config: str, *flags: str, checkpoint_interval: int = 0) -> dict:
+    """Runs one arm unless it already finished; returns its load averages around the run (None when read).
+    checkpoint_interval > 0: an interrupted arm resumes from its last checkpoint when run again (summary's
+    first_step then says its wall_s covers only the last invocation)."""
     if (run_dir / "summary.json").exists():
         return {"ran": False}
     cmd = ["bash", "launch/local.sh", "--config", config, *flags, "--log.run_dir", str(run_dir), "--log.progress",
-           "false", "--checkpoint.interval", "0"]  # fmt: skip
+           "false", "--checkpoint.interval", str(checkpoint_interval)]  # fmt: skip
     before = harness.load_average()
     subprocess.run(cmd, cwd=harness.REPO, env=harness.child_env(), check=True, stdout=subprocess.DEVNULL)
     return {"ran": True, "load_before": before, "load_after": harness.load_average(), "command": " ".join(cmd[1:])}
