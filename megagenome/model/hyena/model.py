@@ -18,7 +18,7 @@ from torch import nn
 from megagenome.config import ModelConfig, layer_kinds
 from megagenome.model.hyena.operators import HyenaOperator
 from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_
-from megagenome.model.stack import BlockStack, padded_vocab_size
+from megagenome.model.stack import BlockStack
 from megagenome.model.transformer.blocks import MLP, Block
 
 
@@ -63,23 +63,11 @@ class HyenaLM(BlockStack):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, layers: DenseLayers | None = None):
         super().__init__()
-        if vocab_size <= 0:
-            raise ValueError(f"vocab_size={vocab_size}: must be positive")
-        if cfg.d_model % cfg.n_head:
-            raise ValueError(f"--model.d_model={cfg.d_model} is not divisible by --model.n_head={cfg.n_head}")
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.padded_vocab_size = padded_vocab_size(vocab_size)
         self.kinds = layer_kinds(cfg)
-
         layers = layers or DenseLayers()
-        self.embed = layers.embedding(self.padded_vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(
-            Block(cfg, layers) if kind == "A" else HyenaBlock(cfg, kind, layers) for kind in self.kinds
-        )
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=self.embed if cfg.tie_embeddings else None)
-        self.finish_init(layers)
+        blocks = [(lambda kind=kind: Block(cfg, layers) if kind == "A" else HyenaBlock(cfg, kind, layers))
+                  for kind in self.kinds]  # fmt: skip
+        self.build(cfg, vocab_size, layers, lambda: [make() for make in blocks])
         self._init_weights()
 
     def _init_weights(self) -> None:

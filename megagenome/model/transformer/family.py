@@ -13,10 +13,11 @@ import torch
 
 from megagenome.config import ModelConfig, d_ff
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
+from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer import flops
 from megagenome.model.transformer.costs import TransformerShape
 from megagenome.model.transformer.hf import LlamaForm
-from megagenome.model.transformer.model import DNATransformer, padded_vocab_size
+from megagenome.model.transformer.model import DNATransformer
 
 
 class TransformerFamily(ModelFamily):

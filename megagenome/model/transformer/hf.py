@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig, d_ff
+from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.blocks import (
     YARN_BETA_FAST,
     YARN_BETA_SLOW,
@@ -25,7 +26,6 @@ from megagenome.model.transformer.blocks import (
     rope_original_max_len,
     yarn_mscale,
 )
-from megagenome.model.transformer.model import padded_vocab_size
 
 # Per block: megagenome's name -> Llama's (inside model.layers.{i}.); qkv is split separately.
 BLOCK_NAMES = {

@@ -14,7 +14,7 @@ from torch import nn
 from megagenome.config import ModelConfig
 from megagenome.model.attention import resolve_before_compile
 from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_
-from megagenome.model.stack import BlockStack, padded_vocab_size
+from megagenome.model.stack import BlockStack
 from megagenome.model.transformer.blocks import Block
 
 
@@ -29,23 +29,10 @@ class DNATransformer(BlockStack):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, layers: DenseLayers | None = None):
         super().__init__()
-        if vocab_size <= 0:
-            raise ValueError(f"vocab_size={vocab_size}: must be positive")
-        if cfg.d_model % cfg.n_head:
-            raise ValueError(f"--model.d_model={cfg.d_model} is not divisible by --model.n_head={cfg.n_head}")
-        if (cfg.d_model // cfg.n_head) % 2:
+        if cfg.n_head > 0 and cfg.d_model % cfg.n_head == 0 and (cfg.d_model // cfg.n_head) % 2:
             raise ValueError(f"head size --model.d_model/--model.n_head={cfg.d_model // cfg.n_head} must be even")
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.padded_vocab_size = padded_vocab_size(vocab_size)
-
         layers = layers or DenseLayers()
-        self.embed = layers.embedding(self.padded_vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, layers) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=self.embed if cfg.tie_embeddings else None)
-
-        self.finish_init(layers)
+        self.build(cfg, vocab_size, layers, lambda: [Block(cfg, layers) for _ in range(cfg.n_layer)])
         self.apply(self._init_weights)
         # GPT-2 rule: each block adds two residual branches, so scaling the projections that write
         # into the residual stream by 1/sqrt(2 * n_layer) keeps its variance independent of depth.
