@@ -220,3 +220,22 @@ def test_modal_kernel_in_blocks_equals_the_formula_and_its_gradients(monkeypatch
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     for a, b in zip(torch.autograd.grad((got * g).sum(), params), want_grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["H", "SE", "MR", "LI"])
+def test_a_filter_computes_one_block_of_its_channels_as_the_whole_filter_does(kind):
+    """Under sequence parallelism a long convolution's rank computes only its block of the filter's channels
+    (HyenaOperator.forward: `rows`), 1/sp of the whole filter's memory (an LI filter of 1,920 channels at 1M bases
+    is 7.7 GB in float32): the block, values and parameter gradients, equals the same rows of the whole filter."""
+    cfg = tiny("hyena" if kind == "H" else "striped_hyena", layer_pattern=kind, n_layer=1)
+    op = build(cfg).blocks[0].mixer
+    rows = slice(8, 24)
+    whole = op.filter(96)
+    block = op.filter(96, rows)
+    assert block.shape == (16, whole.size(1))
+    torch.testing.assert_close(block, whole[rows], atol=0, rtol=0)
+    g = torch.randn_like(block)
+    params = [p for p in op.filter.parameters()]
+    want = torch.autograd.grad((whole[rows] * g).sum(), params)
+    for a, b in zip(torch.autograd.grad((block * g).sum(), params), want):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)

@@ -51,6 +51,7 @@ FAST_DECAY, SLOW_DECAY = 0.3, 1.5
 # tested equal): on a 2-core CPU the striped default's 128-tap MR layers step 1.3-2x faster by FFT, the 7-tap SE
 # and the 3-tap featurizer are faster direct.
 DIRECT_MAX_TAPS = 32
+ALL = slice(None)  # every channel of a filter (a filter's rows argument)
 
 
 def by_fft(cfg: ModelConfig, kind: str) -> bool:
@@ -81,11 +82,13 @@ def direct_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return F.conv1d(F.pad(u, (L - 1, 0)), h.flip(-1).unsqueeze(1).to(u.dtype), groups=u.size(1))  # (B, C, T)
 
 
-def exponential_decay(channels: int, positions: torch.Tensor) -> torch.Tensor:
+def exponential_decay(channels: int, positions: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
     """HyenaDNA's ExponentialModulation: exp(-|delta_c| t) with t = positions in [0, 1] and delta_c spread linearly
-    between log(TARGET)/SLOW_DECAY and log(TARGET)/FAST_DECAY over the channels; (channels, len(positions))."""
+    between log(TARGET)/SLOW_DECAY and log(TARGET)/FAST_DECAY over the channels; (channels, len(positions)), or
+    (len(index), len(positions)) for the channels in `index` only."""
     deltas = torch.linspace(math.log(DECAY_TARGET) / SLOW_DECAY, math.log(DECAY_TARGET) / FAST_DECAY, channels,
                             device=positions.device)  # fmt: skip
+    deltas = deltas if index is None else deltas[index]
     return torch.exp(-positions[None, :] * deltas.abs()[:, None].to(positions))  # (channels, L)
 
 
@@ -132,15 +135,16 @@ class ImplicitFilter(nn.Module):
         for p in self.parameters():
             p.no_weight_decay = True
 
-    def forward(self, T: int) -> torch.Tensor:
-        """The filters of the first T taps, float32 (channels, T)."""
+    def forward(self, T: int, rows: slice = ALL) -> torch.Tensor:
+        """The filters of the first T taps, float32 (channels, T): of this rank's channels, or of `rows` of them."""
         device = self.channel.device
         features = position_features(T, self.max_seq_len, device)  # (T, 5) float32
         # The MLP runs in its weights' dtype (bf16 under DeepSpeed's bf16, as under autocast); the filter is then
-        # taken to float32, as every filter is.
-        h = self.out(self.mlp(features.to(self.mlp[0].weight.dtype)))  # (T, channels)
+        # taken to float32, as every filter is. The last linear runs whole (a tensor-parallel one all-reduces its
+        # input's gradient); only the rows asked for go on to float32 and the decay.
+        h = self.out(self.mlp(features.to(self.mlp[0].weight.dtype)))[:, rows]  # (T, rows)
         t = features[:, 0]  # (T,)
-        return h.float().t() * exponential_decay(self.d, t)[self.channel]  # (channels, T)
+        return h.float().t() * exponential_decay(self.d, t, self.channel[rows])  # (rows, T)
 
 
 class ExplicitFilter(nn.Module):
@@ -155,12 +159,13 @@ class ExplicitFilter(nn.Module):
         channel = layers.channels(torch.arange(d), False) if decay else None  # this rank's channels (MR's decay)
         self.register_buffer("channel", channel, persistent=False)
 
-    def forward(self, T: int) -> torch.Tensor:
-        h = self.h.float()  # (channels, length)
+    def forward(self, T: int, rows: slice = ALL) -> torch.Tensor:
+        """The taps, float32 (channels, length): of this rank's channels, or of `rows` of them."""
+        h = self.h[rows].float()  # (rows, length)
         if not self.decay:
             return h
         positions = torch.linspace(0, 1, h.size(-1), device=h.device)
-        return h * exponential_decay(self.d, positions)[self.channel]  # (channels, length)
+        return h * exponential_decay(self.d, positions, self.channel[rows])  # (rows, length)
 
 
 class ModalFilter(nn.Module):
@@ -177,10 +182,11 @@ class ModalFilter(nn.Module):
         for p in (self.log_rate, self.theta, self.residues):
             p.no_weight_decay = True
 
-    def forward(self, T: int) -> torch.Tensor:
-        """The filters of T taps, float32 (channels, T), through _ModalKernel: channels x state_size x T values per
-        block of channels at a time, recomputed in backward, never all at once and never kept."""
-        return _ModalKernel.apply(self.log_rate, self.theta, self.residues, T)
+    def forward(self, T: int, rows: slice = ALL) -> torch.Tensor:
+        """The filters of T taps, float32 (channels, T) (of `rows` of this rank's channels only, if given), through
+        _ModalKernel: channels x state_size x T values per block of channels at a time, recomputed in backward,
+        never all at once and never kept."""
+        return _ModalKernel.apply(self.log_rate[rows], self.theta[rows], self.residues[rows], T)
 
 
 # Elements of one block's (channels, state_size, T) intermediates in _ModalKernel (64 MiB of float32 each).
@@ -274,10 +280,9 @@ class HyenaOperator(nn.Module):
             conv = self._short(u.float(), h)
         elif self.exchange is None:
             conv = fft_conv(u, h)
-        else:
+        else:  # h holds this rank's block of channels only (forward)
             whole = self.exchange.sequence_to_channels(u)  # (B, channels / sp, T * sp)
-            block = slice(self.exchange.rank * whole.size(1), (self.exchange.rank + 1) * whole.size(1))
-            conv = self.exchange.channels_to_sequence(fft_conv(whole, h[block]))  # (B, channels, T)
+            conv = self.exchange.channels_to_sequence(fft_conv(whole, h))  # (B, channels, T)
         return conv + u.float() * D.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,7 +291,13 @@ class HyenaOperator(nn.Module):
         z = self._short(z, self.short_filter.float())  # (B, 3 channels, T): the featurizer
         x2, x1, v = z.view(B, -1, 3, self.head_size, T).unbind(2)  # 3 x (B, heads, head_size, T)
         x2, u = x2.reshape(B, -1, T), (x1 * v).reshape(B, -1, T)  # 2 x (B, channels, T)
-        h = self.filter(T * (self.exchange.size if self.exchange else 1))  # (channels, T or taps), float32
+        if self.exchange is None:
+            h = self.filter(T)  # (channels, T or taps), float32
+        elif self.fft:  # the FFT convolution runs on this rank's block of channels, over whole sequences
+            block = u.size(1) // self.exchange.size
+            h = self.filter(T * self.exchange.size, slice(self.exchange.rank * block, (self.exchange.rank + 1) * block))
+        else:  # a direct convolution (each rank its chunk of the sequence, every channel) needs only the taps
+            h = self.filter(T * self.exchange.size)
         core = self._core
         if self.recompute_core is not None and torch.is_grad_enabled():
             core = functools.partial(self.recompute_core, self._core)
