@@ -10,8 +10,9 @@ Tier 2 (one 2-rank check, support/hyena_checks.py): the tensor-parallel model eq
 shard and the replicated ones, the implicit filter's MLP included (it is right only through the all-reduce of the
 column-parallel last linear's input gradient; a control without it is caught).
 
-Tier 3, for each family, through `megagenome pretrain` (support/worker.py: one 2-rank launch, the universal
-conversions in this process, one 1-rank run), fp32 unless named, 6 AdamW steps with clipping active:
+Tier 3, through `megagenome pretrain` (support/worker.py: one 2-rank launch, the universal conversions in this
+process, one 1-rank run), fp32 unless named, 6 AdamW steps with clipping active; striped_hyena (every operator kind
+but H) runs every seam below, hyena (H) those that gather, split, cast or recompute its parameters (SEAMS):
 
 - ZeRO 1, 2, 3 equal ZeRO 0 (dropout on); CPU offload (zero2_offload, zero3_offload) equals the same stage in memory;
   gradient accumulation (micro 2 x 2) equals micro 4 x 1 at ZeRO 0 and 3; 2 ranks equal 1 rank at global batch 8;
@@ -57,6 +58,15 @@ ACCUM = ["zero0", "zero3"]
 RESUMED = {"zero1": {}, "zero3": {}, "tp2": {"parallel": {"tensor": 2}}}  # resumed from step 3, dropout on
 # Universal checkpoints: the split run, its DeepSpeed JSON and micro batch on 2 ranks, its uninterrupted reference.
 UNIVERSAL = {"zero1_split": ("zero1", 4, "zero1_d0"), "tp2_zero1_split": ("zero1", 8, "tp2_zero1")}
+# The seams that run no family-specific code (the optimizer's partitions, offload, gradient accumulation, a resume or
+# universal conversion over data-parallel ranks only) run for striped_hyena, the family with every operator kind but
+# H; hyena's H layers (an MLP inside each filter) run those that gather, split, cast or recompute their parameters.
+SEAMS = {
+    "hyena": {"zero": ["zero0", "zero1", "zero3"], "offload": [], "accum": [], "resumed": ["zero3", "tp2"],
+              "pp": ["pp2"], "universal": ["tp2_zero1_split"]},
+    "striped_hyena": {"zero": ZERO, "offload": list(OFFLOAD), "accum": ACCUM, "resumed": list(RESUMED),
+                      "pp": ["pp2", "pp2_type"], "universal": list(UNIVERSAL)},
+}  # fmt: skip
 LOSS_ATOL = WEIGHT_ATOL = 1e-6  # fp32 after 6 steps (support/runs.py): a 0.1% lr change moves losses by ~1e-4
 GRAD_ATOL = 1e-6  # the tensor-parallel model's gradients against dense (fp32, |grad| up to ~0.4)
 FILTER_MLP_RTOL = 1e-5  # the implicit filter MLP's, relative to its largest gradient (~1e-5 in absolute terms)
@@ -133,11 +143,14 @@ def test_pipeline_optimizer_groups_are_the_model_groups(family):
 def family_scenarios(root, fasta: str, family: str) -> tuple[list[dict], list[dict]]:
     """(the 2-rank runs, the second halves of the resumed ones): global batch 8 = micro 4 x 2 ranks unless named."""
     s = functools.partial(run, root, fasta, family)
-    tp2 = {"tensor": 2}
-    first = [s(c, ds(c), 4) for c in ZERO] + [s(c, ds(c), 4) for c in OFFLOAD]
-    first += [s(f"resume_{c}", ds("zero0" if c == "tp2" else c), 4, stop_at=STOP, **kw) for c, kw in RESUMED.items()]
-    for c in ACCUM:
-        first += [s(f"{c}_micro4", ds(c), 4, dropout=0.0), s(f"{c}_micro2_accum2", ds(c), 2, 2, dropout=0.0)]
+    seams, tp2 = SEAMS[family], {"tensor": 2}
+    resumed = {c: RESUMED[c] for c in seams["resumed"]}
+    first = [s(c, ds(c), 4) for c in seams["zero"]] + [s(c, ds(c), 4) for c in seams["offload"]]
+    first += [s(f"resume_{c}", ds("zero0" if c == "tp2" else c), 4, stop_at=STOP, **kw) for c, kw in resumed.items()]
+    first.append(s("zero0_micro4", ds("zero0"), 4, dropout=0.0))  # 1 rank's reference, and accumulation's
+    for c in seams["accum"]:
+        first += [s(f"{c}_micro4", ds(c), 4, dropout=0.0)] if c != "zero0" else []
+        first.append(s(f"{c}_micro2_accum2", ds(c), 2, 2, dropout=0.0))
     first += [
         s("zero1_bf16", ds("zero1", "bf16"), 4),
         s("zero1_ds_checkpointing", ds("zero1", "activation_checkpointing"), 4, model={"checkpointing": "full"}),
@@ -145,13 +158,15 @@ def family_scenarios(root, fasta: str, family: str) -> tuple[list[dict], list[di
         s("tp2", ds("zero0"), 4, parallel=tp2),  # dropout on: resume_tp2's reference
         s("tp2_partitioned", ds("zero0", "activation_partitioned"), 4, parallel=tp2, model={"checkpointing": "full"}),
         s("tp2_zero1", ds("zero1"), 8, dropout=0.0, parallel=tp2),  # data-parallel size 1: micro 8 = global 8
-        s("pp2", ds("zero0"), 4, 2, dropout=0.0, parallel={"pipeline": 2}),
-        s("pp2_type", ds("zero0"), 4, 2, dropout=0.0, parallel={"pipeline": 2, "pipeline_partition": "type:Hyena"}),
-        s("zero1_d0", ds("zero1"), 4, dropout=0.0),
     ]
-    for name, (config, micro, _) in UNIVERSAL.items():
+    pipelines = {"pp2": {"pipeline": 2}, "pp2_type": {"pipeline": 2, "pipeline_partition": "type:Hyena"}}
+    first += [s(name, ds("zero0"), 4, 2, dropout=0.0, parallel=pipelines[name]) for name in seams["pp"]]
+    for name in seams["universal"]:
+        config, micro, reference = UNIVERSAL[name]
         first.append(s(name, ds(config), micro, dropout=0.0, stop_at=STOP, parallel=tp2 if "tp2" in name else None))
-    second = [s(f"resume_{c}", ds("zero0" if c == "tp2" else c), 4, **kw) for c, kw in RESUMED.items()]
+        if reference == "zero1_d0":
+            first.append(s("zero1_d0", ds("zero1"), 4, dropout=0.0))
+    second = [s(f"resume_{c}", ds("zero0" if c == "tp2" else c), 4, **kw) for c, kw in resumed.items()]
     return first, second
 
 
@@ -159,8 +174,8 @@ def one_rank_scenarios(root, fasta: str, family: str) -> list[dict]:
     """The dense reference (micro 8 = global 8) and the universal checkpoints' second halves, in the 2-rank runs' own
     directories."""
     out = [run(root, fasta, family, "dense_micro8", ds("zero0"), 8, dropout=0.0)]
-    for name, (config, _, _) in UNIVERSAL.items():
-        s = run(root, fasta, family, name, ds(config), 8, dropout=0.0)
+    for name in SEAMS[family]["universal"]:
+        s = run(root, fasta, family, name, ds(UNIVERSAL[name][0]), 8, dropout=0.0)
         s["config"]["checkpoint"].update({"resume": str(root / family / name / "checkpoints_universal"),
                                           "universal": True})  # fmt: skip
         out.append(s)
@@ -180,7 +195,7 @@ class Workers:
         self.converted = {
             (f, name): cli_here("convert-checkpoint", "--checkpoint", str(root / f / name), "--workers", "1")
             for f in FAMILIES
-            for name in UNIVERSAL
+            for name in SEAMS[f]["universal"]
         }
         self.one = run_worker(root, [s for f in FAMILIES for s in one_rank_scenarios(root, fasta, f)], 1)
 
@@ -195,6 +210,11 @@ def ds_json(runs: Runs, name: str) -> dict:
 
 
 FAMILY = pytest.mark.parametrize("family", list(FAMILIES))
+
+
+def each(seam: str, skip_first: bool = False) -> list[tuple[str, str]]:
+    """(family, case) for every case of `seam` a family runs (SEAMS)."""
+    return [(f, c) for f in FAMILIES for c in SEAMS[f][seam][1 if skip_first else 0 :]]
 
 
 # ----- tier 2: tensor-parallel gradients -----------------------------------------------------------------------
@@ -222,8 +242,7 @@ def test_tensor_parallel_model_equals_dense_gradient_by_gradient(workers):
 
 
 @pytest.mark.slow
-@FAMILY
-@pytest.mark.parametrize("stage", ZERO[1:])
+@pytest.mark.parametrize("family, stage", each("zero", skip_first=True))
 def test_zero_stage_equals_zero0(workers, family, stage):
     runs = workers.two
     assert ds_json(runs, f"{family}/{stage}")["zero_optimization"]["stage"] == int(stage[-1])
@@ -233,8 +252,7 @@ def test_zero_stage_equals_zero0(workers, family, stage):
 
 
 @pytest.mark.slow
-@FAMILY
-@pytest.mark.parametrize("offload", list(OFFLOAD))
+@pytest.mark.parametrize("family, offload", each("offload"))
 def test_offload_equals_in_memory(workers, family, offload):
     zero = ds_json(workers.two, f"{family}/{offload}")["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu"
@@ -243,8 +261,7 @@ def test_offload_equals_in_memory(workers, family, offload):
 
 
 @pytest.mark.slow
-@FAMILY
-@pytest.mark.parametrize("stage", ACCUM)
+@pytest.mark.parametrize("family, stage", each("accum"))
 def test_grad_accumulation_equals_the_large_batch(workers, family, stage):
     name = f"{family}/{stage}_micro2_accum2"
     d = ds_json(workers.two, name)
@@ -276,8 +293,7 @@ def test_bf16_trains_and_tracks_fp32(workers, family):
 
 
 @pytest.mark.slow
-@FAMILY
-@pytest.mark.parametrize("config", list(RESUMED))
+@pytest.mark.parametrize("family, config", each("resumed"))
 def test_resume_equals_uninterrupted(workers, family, config):
     name = f"{family}/resume_{config}"
     ckpts = sorted(p.name for p in (workers.two.root / name / "checkpoints").glob("step_*"))
@@ -323,8 +339,7 @@ def test_tp2_equals_dense(workers, family):
 
 
 @pytest.mark.slow
-@FAMILY
-@pytest.mark.parametrize("name", ["pp2", "pp2_type"])
+@pytest.mark.parametrize("family, name", each("pp"))
 def test_pp2_equals_dense(workers, family, name):
     tag = workers.two.root / family / name / "checkpoints" / f"step_{STEPS:08d}"
     workers.two.rows(f"{family}/{name}")
@@ -338,8 +353,7 @@ def test_pp2_equals_dense(workers, family, name):
 
 
 @pytest.mark.slow
-@FAMILY
-@pytest.mark.parametrize("name", list(UNIVERSAL))
+@pytest.mark.parametrize("family, name", each("universal"))
 def test_universal_checkpoint_resumes_on_one_rank(workers, family, name):
     proc = workers.converted[(family, name)]
     assert proc.returncode == 0, proc.stdout + proc.stderr
