@@ -39,6 +39,11 @@ PLAN_CONFIGS = {"transformer": "configs/dna_1b.yaml", "striped_hyena": "configs/
 PLAN_LENGTHS = (8192, 32768, 131072, 262144, 1048576)
 H200 = {"gpus": 1, "gpus_per_node": 1, "gpu": "H200", "gpu_memory_gb": 141.0}
 MARGIN = 0.05  # the default job's goal: this far below the strongest Markov baseline
+LOAD_NOTE = (
+    "Load: the 1-minute load average before -> after an arm this invocation ran (2: its two ranks alone); an arm "
+    "read from --work shows -. The runs are deterministic, so held-out bits/base at equal tokens do not depend on the "
+    "load; wall s and tokens/s do, and compare only between quiet arms."
+)
 TIMED_TOKENS = 16384  # the fewest tokens a length's timed steps cover
 
 
@@ -172,9 +177,11 @@ def markdown(record: dict) -> str:
         margin = r["best_markov_bits_per_base"] - r["heldout_bits_per_base"]
         rows.append([name, f"{r['parameters']:,}", f"{r['tokens']:,}", f"{r['heldout_bits_per_base']:.4f}",
                      f"{r['best_markov_bits_per_base']:.4f} (order {r['best_markov_order']})", f"{margin:+.4f}",
-                     f"{r['wall_s']:.0f}", f"{r['tokens_per_s_median']:,.0f}"])  # fmt: skip
-    cols = ["arm", "parameters", "tokens", "held-out bits/base", "best Markov", "margin", "wall s", "tokens/s"]
-    lines += harness.table(cols, rows) + ["", "Eval curves (step, held-out bits/base):", ""]
+                     f"{r['wall_s']:.0f}", f"{r['tokens_per_s_median']:,.0f}", _load(r)])  # fmt: skip
+    cols = ["arm", "parameters", "tokens", "held-out bits/base", "best Markov", "margin", "wall s", "tokens/s", "load"]
+    lines += harness.table(cols, rows)
+    lines += ["", LOAD_NOTE, ""]
+    lines += ["Eval curves (step, held-out bits/base):", ""]
     lines += [f"- {n}: " + ", ".join(f"({s}, {b:.4f})" for s, b in r["curve"]) for n, r in record["learning"].items()]
     lines += ["", f"Margin: the strongest Markov baseline minus the model (the default job's goal: >= {MARGIN}).", ""]
     if record.get("costs"):
@@ -182,6 +189,10 @@ def markdown(record: dict) -> str:
     if record.get("predictions"):
         lines += _prediction_lines(record["predictions"])
     return "\n".join(lines) + "\n"
+
+
+def _load(r: dict) -> str:
+    return f"{r['load_before']:.1f} -> {r['load_after']:.1f}" if r.get("ran") else "-"
 
 
 def _cost_lines(costs: dict) -> list[str]:
