@@ -26,7 +26,7 @@ setup(
         "PyYAML==6.0.4",
         "tqdm==4.70.1",
         "pysam==0.24.1",  # VCF reading and writing (htslib): data/variants.py, data/vcf_scores.py
-        "safetensors==0.8.0",  # `megagenome export`: model.safetensors, the format Hugging Face loads
+        "safetensors==0.8.0",  # `megagenome export`: model.safetensors, the format Hugging Face loads; `embed`'s output
         "tensorboard==2.21.0",  # event files beside metrics.jsonl (torch.utils.tensorboard writes through it)
         "matplotlib==3.10.9",  # `megagenome report` draws its PNGs
         "torchao==0.18.0",  # `megagenome export --quantize int8`: PyTorch's maintained quantization (quantize.py)

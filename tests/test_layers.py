@@ -61,7 +61,7 @@ SEAMS = {
     "tensorboard": {"observe/dashboards"},
     "matplotlib": {"observe/report"},
     "jsonargparse": {"config/load", "cli"},
-    "safetensors": {"after_training/export", "after_training/weights"},
+    "safetensors": {"after_training/export", "after_training/weights", "after_training/embedding"},
     "torchao": {"after_training/quantize", "train/optimizers"},  # int8 export; the 8-bit AdamW on CPU
     "bitsandbytes": {"train/optimizers"},  # the 8-bit AdamW on CUDA
 }

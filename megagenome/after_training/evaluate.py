@@ -26,10 +26,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megagenome.after_training.inference import World, batched, load_model, log_probs, pad_batch, start_world
-from megagenome.config import parse_region
+from megagenome.after_training.inference import (
+    World,
+    batched,
+    load_model,
+    log_probs,
+    pad_batch,
+    read_stretches,
+    start_world,
+)
 from megagenome.data.fasta import FastaError, Genome
-from megagenome.data.tokenizer import N_ID, TokenizerError, encode, reverse_complement
+from megagenome.data.tokenizer import N_ID, reverse_complement
 from megagenome.train.consolidate import CheckpointError
 
 PROG = "megagenome eval"
@@ -58,28 +65,8 @@ class EvalError(ValueError):
 
 def read_sequences(fasta: str, regions: list[str]) -> list[Sequence]:
     """The records of `fasta` (or the given regions of it) as token arrays."""
-    out = []
     with Genome(fasta) as genome:
-        if not regions:
-            targets = [(name, name, 0, length) for name, length in genome.lengths.items()]
-        else:
-            targets = []
-            for text in regions:
-                try:
-                    r = parse_region(text)
-                except ValueError as e:
-                    raise EvalError(f"--regions: {e}") from e
-                if r.contig not in genome.lengths or r.end > genome.lengths[r.contig]:
-                    known = ", ".join(f"{n} ({n_len:,} bp)" for n, n_len in list(genome.lengths.items())[:10])
-                    raise EvalError(f"--regions {text}: not within a record of {fasta} (records: {known})")
-                targets.append((text, r.contig, r.start, r.end))
-        for name, contig, start, end in targets:
-            try:
-                tokens, softmask = encode(genome.fetch(contig, start, end))
-            except TokenizerError as e:
-                raise EvalError(f"{fasta}: record {contig}: {e}") from e
-            out.append(Sequence(name, tokens, softmask))
-    return out
+        return [Sequence(s.name, s.tokens, s.softmask) for s in read_stretches(genome, regions, EvalError)]
 
 
 def windows(seqs: list[Sequence], window: int, causal: bool, rc: bool) -> list[Window]:

@@ -1,11 +1,12 @@
 """A trained model for inference (layer L4): loaded whole from any checkpoint layout or an export directory, the
-ranks of a data-parallel inference job, and the per-base log-probabilities evaluation and variant scoring use.
+ranks of a data-parallel inference job, what the after-training commands read of a FASTA (records or --regions, the
+window), and the per-base log-probabilities evaluation and variant scoring use.
 
 Inference runs a dense model on every rank: a checkpoint of any layout (ZeRO 0-3, tensor, pipeline or sequence
-parallel, universal) is consolidated on load (train/consolidate.py), so `megagenome eval` and `score-variants` run
-the same in one process or under the `deepspeed` launcher, where each rank takes every world_size-th batch and the
-results are gathered and combined in batch order. Batches are formed before they are dealt out, so a batch holds
-the same windows whatever the world size and the combined result equals one process's.
+parallel, universal) is consolidated on load (train/consolidate.py), so `megagenome eval`, `score-variants` and
+`embed` run the same in one process or under the `deepspeed` launcher, where each rank takes every world_size-th
+batch and the results are gathered and combined in batch order. Batches are formed before they are dealt out, so a
+batch holds the same windows whatever the world size and the combined result equals one process's.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from megagenome.after_training.weights import DTYPES, build_model, read_weights
-from megagenome.config import ModelConfig, RootConfig
-from megagenome.data.tokenizer import MASK_ID
+from megagenome.config import ModelConfig, RootConfig, parse_region
+from megagenome.data.fasta import Genome
+from megagenome.data.tokenizer import MASK_ID, TokenizerError, encode
 
 
 @dataclass
@@ -111,6 +114,66 @@ def interleave(per_rank: list[list]) -> list:
 
 def batched(items: Sequence, size: int) -> list[list]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+# ----- what a command reads of a FASTA ----------------------------------------------------------------------------
+
+
+@dataclass
+class Stretch:
+    """A record of a FASTA or a piece of one, as token ids."""
+
+    name: str  # the record's name, or the region as given
+    contig: str
+    start: int  # 0-based, half-open on the contig
+    end: int
+    tokens: np.ndarray  # uint8 token ids, (end - start,)
+    softmask: np.ndarray  # bool, True where the base was lowercase
+
+
+def read_stretch(genome: Genome, name: str, contig: str, start: int, end: int, error: type[ValueError]) -> Stretch:
+    """Bases [start, end) of `contig` encoded; a base the tokenizer refuses raises `error` naming the FASTA."""
+    try:
+        tokens, softmask = encode(genome.fetch(contig, start, end))
+    except TokenizerError as e:
+        raise error(f"{genome.path}: record {contig}: {e}") from e
+    return Stretch(name, contig, start, end, tokens, softmask)
+
+
+def read_stretches(genome: Genome, regions: Sequence[str], error: type[ValueError]) -> list[Stretch]:
+    """Every record of `genome` whole, or each of `regions` (--regions contig:start-end, 1-based inclusive, named
+    as given), in the order given; a region that does not parse or lies outside every record raises `error`
+    naming --regions (and listing the records)."""
+    if not regions:
+        targets = [(name, name, 0, length) for name, length in genome.lengths.items()]
+    else:
+        targets = []
+        for text in regions:
+            try:
+                r = parse_region(text)
+            except ValueError as e:
+                raise error(f"--regions: {e}") from e
+            if r.contig not in genome.lengths or r.end > genome.lengths[r.contig]:
+                known = ", ".join(f"{n} ({n_len:,} bp)" for n, n_len in list(genome.lengths.items())[:10])
+                raise error(f"--regions {text}: not within a record of {genome.path} (records: {known})")
+            targets.append((text, r.contig, r.start, r.end))
+    return [read_stretch(genome, *target, error) for target in targets]
+
+
+def choose_window(loaded: Loaded, window: int | None, error: type[ValueError]) -> int:
+    """--window, checked (at least 2, at most the model's context; else `error`); default: the run's training window
+    (--data.seq_len), at most the model's context (an export directory: the context)."""
+    if window is None:
+        trained = loaded.run_cfg.data.seq_len if loaded.run_cfg is not None else loaded.context
+        return min(trained, loaded.context)
+    if window > loaded.context:
+        raise error(
+            f"--window={window} is wider than the model's context ({loaded.context} tokens, its "
+            f"--model.max_seq_len): give --window {loaded.context} or less"
+        )
+    if window < 2:
+        raise error(f"--window={window}: must be at least 2")
+    return window
 
 
 # ----- log-probabilities ------------------------------------------------------------------------------------------

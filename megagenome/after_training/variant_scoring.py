@@ -46,6 +46,7 @@ from megagenome.after_training.inference import (
     Loaded,
     World,
     batched,
+    choose_window,
     interleave,
     load_model,
     log_probs,
@@ -317,21 +318,6 @@ def check_labels(sites: list[Site], opts: Options) -> None:
         )
 
 
-def choose_window(loaded: Loaded, window: int | None) -> int:
-    """--window, checked; default: the run's training window (--data.seq_len), at most the model's context."""
-    if window is None:
-        trained = loaded.run_cfg.data.seq_len if loaded.run_cfg is not None else loaded.context
-        return min(trained, loaded.context)
-    if window > loaded.context:
-        raise ScoreError(
-            f"--window={window} is wider than the model's context ({loaded.context} tokens, its "
-            f"--model.max_seq_len): give --window {loaded.context} or less"
-        )
-    if window < 2:
-        raise ScoreError(f"--window={window}: must be at least 2")
-    return window
-
-
 def run(opts: Options, world: World | None = None) -> dict:
     """Score the VCF and write the outputs (rank 0); the summary. Collective under a launcher; raises ScoreError,
     VariantError, FastaError, CheckpointError or TokenizerError on bad input before any output is written."""
@@ -342,7 +328,7 @@ def run(opts: Options, world: World | None = None) -> dict:
         check_refs(genome, sites)
         check_labels(sites, opts)
         loaded = load_model(opts.run, opts.step, opts.dtype)
-        window = choose_window(loaded, opts.window)
+        window = choose_window(loaded, opts.window, ScoreError)
         started = time.perf_counter()
         scores = score_sites(loaded, genome, sites, window, opts, world)
         seconds = time.perf_counter() - started

@@ -1,5 +1,5 @@
 """What the command modules share (layer L5): the parsed command line handed to a command, and the flags of
-the commands that read a trained model (eval, score-variants, export)."""
+the commands that read a trained model (eval, score-variants, embed, export)."""
 
 from __future__ import annotations
 

@@ -213,13 +213,14 @@ def write_tsv(path: str, sites: Sequence[Site], scores: Sequence[Sequence[float 
     write_text(path, "".join("\t".join(map(str, row)) + "\n" for row in [columns, *rows]))
 
 
-def write_text(path: str, text: str) -> None:
-    """`text` written to a temporary file beside `path` and renamed over it when complete."""
+def write_text(path: str, text: str | bytes) -> None:
+    """`text` (UTF-8; or bytes as they are) written to a temporary file beside `path` and renamed over it when
+    complete."""
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(text.encode("utf-8") if isinstance(text, str) else text)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

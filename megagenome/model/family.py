@@ -38,7 +38,7 @@ The module build() returns (the LanguageModel protocol below) is what training, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,6 +105,9 @@ class LanguageModel(Protocol):
 
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T, d) the head's input."""
+
+    def layer_states(self, input_ids: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        """{layer: (B, T, d)} in one pass: 0 the embedding output, i block i's, -1 the final norm (= hidden())."""
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int: ...
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +29,24 @@ from megagenome.model.layers import RMSNorm
 
 # Embedding rows are padded to a multiple of this so the LM-head matmul has tensor-core friendly shapes.
 VOCAB_MULTIPLE = 8
+# layer_states' name for the final norm's output (the LM head's input); 0 is the embedding's, i block i's.
+FINAL_NORM = -1
 
 
 def padded_vocab_size(vocab_size: int) -> int:
     """Rows of the embedding and LM head: vocab_size rounded up to a multiple of VOCAB_MULTIPLE."""
     return VOCAB_MULTIPLE * math.ceil(vocab_size / VOCAB_MULTIPLE)
+
+
+def layers_problem(layers: Sequence[int], n_blocks: int) -> str:
+    """Why `layers` are not layers of BlockStack.layer_states for a stack of n_blocks blocks, or ''."""
+    bad = sorted(set(layers) - {FINAL_NORM, *range(n_blocks + 1)})
+    if bad or not layers:
+        return (
+            f"{', '.join(map(str, bad)) or 'none'}: the model has {n_blocks} blocks; a layer is 0 (the embedding "
+            f"output), 1..{n_blocks} (the output of that block) or {FINAL_NORM} (the final norm, the LM head's input)"
+        )
+    return ""
 
 
 class BlockStack(nn.Module):
@@ -112,17 +125,41 @@ class BlockStack(nn.Module):
         # Padded vocabulary columns are never valid targets; slicing them off keeps them out of the softmax.
         return self.lm_head(self.hidden(input_ids))[..., : self.vocab_size]  # (B, T, vocab_size)
 
-    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The LM head's input: the final-norm hidden states, (B, T, d_model)."""
+    def _check_length(self, input_ids: torch.Tensor) -> None:
         T = input_ids.size(1) * self.sequence_parallel_size  # input_ids: (B, T / sequence-parallel size)
         if T > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {T} is above --model.max_seq_len={self.cfg.max_seq_len} "
                 f"({self.context_limit}); raise it or shorten --data.seq_len"
             )
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's input: the final-norm hidden states, (B, T, d_model)."""
+        self._check_length(input_ids)
         x = self.embed(input_ids)  # (B, T, d_model)
         x = self._run_blocks(x)  # (B, T, d_model)
         return self.norm(x)  # (B, T, d_model)
+
+    def layer_states(self, input_ids: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The hidden states at `layers` from one forward pass of input_ids (B, T): {layer: (B, T, d_model)} in the
+        model's dtype, in the order asked. Layer 0 is the embedding output, i in 1..n_layer the output of block i
+        (the residual stream, before the final norm), FINAL_NORM (-1) the final norm's output: exactly hidden(),
+        what the LM head reads. Blocks past the deepest layer asked for are not run, and none is checkpointed
+        (this is for inference)."""
+        n = len(self.blocks)
+        problem = layers_problem(layers, n)
+        if problem:
+            raise ValueError(problem)
+        self._check_length(input_ids)
+        x = self.embed(input_ids)  # (B, T, d_model)
+        states = {0: x}
+        deepest = n if FINAL_NORM in layers else max(layers)
+        for i, block in enumerate(self.blocks[:deepest], start=1):
+            x = block(x)  # (B, T, d_model)
+            states[i] = x
+        if FINAL_NORM in layers:
+            states[FINAL_NORM] = self.norm(x)  # (B, T, d_model)
+        return {layer: states[layer] for layer in layers}
 
     def forward(
         self,

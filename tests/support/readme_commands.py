@@ -29,8 +29,8 @@ page and line, and the test fails on it. The rules (each says why):
   --dry_run` at the launch's world size (N, the hostfile's slots, nodes x gpus-per-node), which validates the flags,
   the config, the DeepSpeed JSON, the layout, the data and a resume target, and prints the merged DeepSpeed dict.
   The scripts' hostfile is checked with `megagenome hostfile --check`, an sbatch template must exist.
-- `deepspeed ... --module megagenome eval|preflight ARGS`: the same command in one process (a world of one; 2 ranks
-  give one process's numbers, tested in tests/test_evaluate.py and tests/test_preflight.py).
+- `deepspeed ... --module megagenome eval|embed|preflight ARGS`: the same command in one process (a world of one; 2
+  ranks give one process's numbers, tested in tests/test_evaluate.py, tests/test_embed.py and tests/test_preflight.py).
 - `megagenome pretrain` / `python -m megagenome pretrain` (one process): trains for real with CPU_STEPS appended
   (and `--train.stop_at 1` where it sets a stop); with an explicit `--checkpoint.resume PATH` it is a --dry_run in a
   world of one (validated against that checkpoint; continuing runs is tested in tests/test_schedules.py and
@@ -257,7 +257,7 @@ class Mapper:
             return None
         if command == "pretrain":
             return [_dry_run(line, "deepspeed pretrain: dry run at its world size", args, world)]
-        if command in ("eval", "preflight"):
+        if command in ("eval", "embed", "preflight"):
             return [Step(line, f"deepspeed {command}: in one process", "cli", argv=[command, *args])]
         return None
 
