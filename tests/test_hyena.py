@@ -222,20 +222,40 @@ def test_modal_kernel_in_blocks_equals_the_formula_and_its_gradients(monkeypatch
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+class SecondHalf(DenseLayers):
+    """The layers of tensor-parallel rank 1 of 2 (channels 16-31 of 32), as far as a filter sees them."""
+
+    def column(self, in_features: int, out_features: int) -> torch.nn.Module:
+        return torch.nn.Linear(in_features, out_features // 2, bias=False)
+
+    def channels(self, tensor: torch.Tensor, parameter: bool = True) -> torch.Tensor:
+        return super().channels(tensor[tensor.size(0) // 2 :].clone(), parameter)
+
+
 @pytest.mark.parametrize("kind", ["H", "SE", "MR", "LI"])
-def test_a_filter_computes_one_block_of_its_channels_as_the_whole_filter_does(kind):
+@pytest.mark.parametrize("layers", [DenseLayers, SecondHalf])
+def test_a_filter_computes_one_block_of_its_channels_as_the_whole_filter_does(kind, layers):
     """Under sequence parallelism a long convolution's rank computes only its block of the filter's channels
-    (HyenaOperator.forward: `rows`), 1/sp of the whole filter's memory (an LI filter of 1,920 channels at 1M bases
-    is 7.7 GB in float32): the block, values and parameter gradients, equals the same rows of the whole filter."""
+    (HyenaOperator.forward: `rows`, of this tensor-parallel rank's channels), 1/sp of the whole filter's memory (an LI
+    filter of 1,920 channels at 1M bases is 7.7 GB in float32): the block, values and parameter gradients, equals
+    the same rows of the whole filter; on a tensor-parallel rank the decays are its own channels' (rows 8-16 of
+    channels 16-31 are channels 24-31)."""
+    from megagenome.model.hyena.operators import ExplicitFilter, ImplicitFilter
+
+    torch.manual_seed(0)
     cfg = tiny("hyena" if kind == "H" else "striped_hyena", layer_pattern=kind, n_layer=1)
-    op = build(cfg).blocks[0].mixer
-    rows = slice(8, 24)
-    whole = op.filter(96)
-    block = op.filter(96, rows)
-    assert block.shape == (16, whole.size(1))
+    d = cfg.d_model
+    make = {"H": lambda f: ImplicitFilter(cfg, f), "SE": lambda f: ExplicitFilter(d, cfg.se_filter_len, False, f),
+            "MR": lambda f: ExplicitFilter(d, cfg.mr_filter_len, True, f),
+            "LI": lambda f: ModalFilter(d, cfg.state_size, cfg.max_seq_len, f)}  # fmt: skip
+    filt = make[kind](layers())
+    rows = slice(8, 16)
+    whole = filt(96)
+    block = filt(96, rows)
+    assert block.shape == (8, whole.size(1))
     torch.testing.assert_close(block, whole[rows], atol=0, rtol=0)
     g = torch.randn_like(block)
-    params = [p for p in op.filter.parameters()]
+    params = [p for p in filt.parameters()]
     want = torch.autograd.grad((whole[rows] * g).sum(), params)
     for a, b in zip(torch.autograd.grad((block * g).sum(), params), want):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)

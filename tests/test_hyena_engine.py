@@ -12,7 +12,8 @@ column-parallel last linear's input gradient; a control without it is caught).
 
 Tier 3, through `megagenome pretrain` (support/worker.py: one 2-rank launch, the universal conversions in this
 process, one 1-rank run), fp32 unless named, 6 AdamW steps with clipping active; striped_hyena (every operator kind
-but H) runs every seam below, hyena (H) those that gather, split, cast or recompute its parameters (SEAMS):
+but H) runs every seam below, hyena (H) those that gather, split, cast or recompute its parameters (SEAMS: all but
+ZeRO 2, offload, accumulation, resume at ZeRO 1, partition by type and the data-parallel universal conversion):
 
 - ZeRO 1, 2, 3 equal ZeRO 0 (dropout on); CPU offload (zero2_offload, zero3_offload) equals the same stage in memory;
   gradient accumulation (micro 2 x 2) equals micro 4 x 1 at ZeRO 0 and 3; 2 ranks equal 1 rank at global batch 8;

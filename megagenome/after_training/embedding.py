@@ -2,7 +2,8 @@
 per window, written to a safetensors file with a TSV index of its rows.
 
 Rows. Without --regions, --bed or --vcf, every record of the FASTA; with --regions (contig:start-end, 1-based
-inclusive) or --bed (data/bed.py: 0-based half-open, in the FASTA's contig order), those stretches. A stretch longer
+inclusive) or --bed (data/bed.py read_features: 0-based half-open, in the file's order, overlapping features
+kept, each named by its 4th column or else its span), those stretches. A stretch longer
 than the window is tiled into consecutive windows of `window` bases (the last one shorter), one row each. With --vcf,
 two rows per ALT allele, REF then ALT: the windows score-variants scores (variant_scoring.variant_windows: `window`
 bases, the variant at window // 2 where the contig allows, the ALT window sharing the left flank and filled on the
@@ -37,6 +38,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -58,7 +60,7 @@ from megagenome.after_training.inference import (
     start_world,
 )
 from megagenome.after_training.variant_scoring import skip_reason, variant_windows
-from megagenome.data.bed import BedError, read_bed
+from megagenome.data.bed import BedError, read_features
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import TokenizerError, encode
 from megagenome.data.variants import VariantError
@@ -121,12 +123,8 @@ def read_inputs(genome: Genome, opts: Options) -> list[Stretch] | list[Site]:
         check_refs(genome, sites)
         return sites
     if opts.bed:
-        intervals = read_bed(opts.bed, genome.lengths)
-        return [
-            read_stretch(genome, f"{contig}:{start + 1}-{end}", contig, int(start), int(end), EmbedError)
-            for contig, iv in intervals.items()
-            for start, end in iv
-        ]
+        features = read_features(opts.bed, genome.lengths)
+        return [read_stretch(genome, f.name, f.contig, f.start, f.end, EmbedError) for f in features]
     return read_stretches(genome, opts.regions, EmbedError)
 
 
@@ -190,9 +188,12 @@ def embed_batch(loaded: Loaded, rows: list[Row], layers: list[int], pool: str, w
     return out
 
 
-def embed_rows(loaded: Loaded, rows: list[Row], opts: Options, window: int, world: World) -> dict[int, torch.Tensor]:
-    """{layer: (N, d_model) or (N, window, d_model)} of every row, on every rank: this rank's share of the batches,
-    gathered and put back in batch order. Collective under a launcher."""
+def embed_rows(
+    loaded: Loaded, rows: list[Row], opts: Options, window: int, world: World
+) -> dict[int, torch.Tensor] | None:
+    """{layer: (N, d_model) or (N, window, d_model)} of every row on rank 0 (None on the others, which hold only their
+    share): this rank's share of the batches, gathered to rank 0 and put back in batch order. Collective under a
+    launcher."""
     from tqdm import tqdm
 
     batches = make_batches(rows, opts.batch_size)
@@ -200,7 +201,10 @@ def embed_rows(loaded: Loaded, rows: list[Row], opts: Options, window: int, worl
     mine = []
     for idx in tqdm(world.mine(batches), desc="embed", unit="batch", disable=not shown, file=sys.stderr):
         mine.append(embed_batch(loaded, [rows[i] for i in idx], opts.layers, opts.pool, window))
-    ordered = interleave(world.gather(mine))
+    gathered = world.gather_to_main(mine)
+    if gathered is None:
+        return None
+    ordered = interleave(gathered)
     return {layer: torch.cat([batch[layer] for batch in ordered]) for layer in opts.layers}
 
 
@@ -285,15 +289,13 @@ def run(opts: Options, world: World | None = None) -> dict:
 def write_outputs(opts: Options, rows: list[Row], states: dict[int, torch.Tensor], summary: dict) -> None:
     """The safetensors file (the tensors, `lengths`, the metadata) and the TSV index, each through a temporary file
     renamed when complete."""
-    from safetensors.torch import save
-
     for path in summary["outputs"].values():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tensors = {tensor_name(layer): states[layer].contiguous() for layer in opts.layers}
     tensors["lengths"] = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)
     keys = ("model", "family", "d_model", "layers", "tensors", "pool", "window", "dtype", "input", "fasta", "rows")
     metadata = {"format": FORMAT, **{k: json.dumps(summary[k]) for k in keys}}
-    write_text(opts.output, save(tensors, metadata=metadata))
+    save_tensors(opts.output, tensors, metadata)
     columns = COLUMNS + (VARIANT_COLUMNS if opts.vcf else [])
     lines = ["\t".join(columns)]
     for i, r in enumerate(rows):
@@ -302,6 +304,21 @@ def write_outputs(opts: Options, rows: list[Row], states: dict[int, torch.Tensor
             cells += [*r.variant, r.centre]
         lines.append("\t".join(map(str, cells)))
     write_text(index_path(opts), "\n".join(lines) + "\n")
+
+
+def save_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written to a temporary file beside `path` (straight from the tensors, not through one more
+    copy in memory) and renamed over it when complete."""
+    from safetensors.torch import save_file
+
+    fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def report(summary: dict) -> str:

@@ -79,6 +79,16 @@ class World:
         """This rank's share: every size-th item from its rank."""
         return list(items[self.rank :: self.size])
 
+    def gather_to_main(self, obj) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0 only (None elsewhere): what only rank 0 writes."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.size if self.main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank (a world of one returns [obj])."""
         if self.size == 1:

@@ -32,7 +32,11 @@ def parser() -> ArgumentParser:
         "record whole.",
     )
     parser.add_argument(
-        "--bed", type=str | None, default=None, help="Embed the intervals of this BED file (in the FASTA's order)."
+        "--bed",
+        type=str | None,
+        default=None,
+        help="Embed the features of this BED file, one by one in the file's order (overlapping ones too), each named "
+        "by its 4th column (else its span).",
     )
     parser.add_argument(
         "--vcf",

@@ -1,4 +1,5 @@
-"""BED intervals for gene-centric training: a strict reader and flank-and-merge.
+"""BED intervals for gene-centric training: a strict reader and flank-and-merge; and the features of a BED in file
+order (read_features: overlaps kept, each with its name), what `megagenome embed --bed` embeds one by one.
 
 A BED file names the regions to train on (genes, exons, promoters). Coordinates are 0-based and half-open,
 as in megagenome's own intervals. The reader checks every line and reports every problem at once, each as
@@ -14,6 +15,7 @@ import gzip
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,6 +56,29 @@ def _coordinate_problem(label: str, value: str) -> str:
     return f"{label} {value!r} is not a non-negative integer"
 
 
+@dataclass(frozen=True)
+class Feature:
+    """One line of a BED file: [start, end) on a FASTA contig, its name (column 4, or contig:start+1-end when there
+    is none) and its line number."""
+
+    contig: str
+    start: int
+    end: int
+    name: str
+    line: int
+
+
+def read_features(
+    path: str, contig_lengths: Mapping[str, int], contig_map: Mapping[str, str] | None = None
+) -> list[Feature]:
+    """Every interval of a BED3+ file in the file's order, overlapping ones kept (one per feature: what is embedded
+    or scored per gene or peak), checked line by line as read_bed checks them; raises BedError listing every
+    problem."""
+    features, problems = _parse(path, contig_lengths, contig_map)
+    _raise(path, problems)
+    return features
+
+
 def read_bed(
     path: str, contig_lengths: Mapping[str, int], contig_map: Mapping[str, str] | None = None
 ) -> dict[str, np.ndarray]:
@@ -65,12 +90,39 @@ def read_bed(
     BedError listing every problem: too few columns, non-integer or negative coordinates, start >= end, an end
     past the contig, an unknown contig, and intervals on one contig that overlap (touching is fine).
     """
+    features, problems = _parse(path, contig_lengths, contig_map)
+    rows: dict[str, list[tuple[int, int, int]]] = {}  # contig -> (start, end, line)
+    for f in features:
+        rows.setdefault(f.contig, []).append((f.start, f.end, f.line))
+    out: dict[str, np.ndarray] = {}
+    for contig in contig_lengths:
+        if contig not in rows:
+            continue
+        ordered = sorted(rows[contig])
+        reach = ordered[0]  # the interval reaching furthest so far, so one long line covering several is caught
+        for row in ordered[1:]:
+            if row[0] < reach[1]:
+                problems.append(
+                    f"{path}:{row[2]}: {contig}:{row[0]}-{row[1]} overlaps line {reach[2]} ({contig}:{reach[0]}-"
+                    f"{reach[1]}); merge overlapping intervals first (e.g. `bedtools merge`)"
+                )
+            if row[1] > reach[1]:
+                reach = row
+        out[contig] = np.array([r[:2] for r in ordered], dtype=np.int64).reshape(-1, 2)  # (K, 2)
+    _raise(path, problems)
+    return out
+
+
+def _parse(
+    path: str, contig_lengths: Mapping[str, int], contig_map: Mapping[str, str] | None
+) -> tuple[list[Feature], list[str]]:
+    """(the file's intervals in order, the problems of its lines)."""
     path = os.fspath(path)
     contig_map = dict(contig_map or {})
     if not os.path.isfile(path):
         raise BedError(f"{path}: BED file not found")
     problems: list[str] = []
-    rows: dict[str, list[tuple[int, int, int]]] = {}  # contig -> (start, end, line)
+    features: list[Feature] = []
     for number, text in enumerate(_lines(path), start=1):
         if not text.strip() or text.startswith("#") or text.split()[0] in ("track", "browser"):
             continue
@@ -97,29 +149,20 @@ def read_bed(
         if end > contig_lengths[contig]:
             problems.append(f"{path}:{number}: end {end} is past the end of {contig} (length {contig_lengths[contig]})")
             continue
-        rows.setdefault(contig, []).append((start, end, number))
-    out: dict[str, np.ndarray] = {}
-    for contig in contig_lengths:
-        if contig not in rows:
-            continue
-        ordered = sorted(rows[contig])
-        reach = ordered[0]  # the interval reaching furthest so far, so one long line covering several is caught
-        for row in ordered[1:]:
-            if row[0] < reach[1]:
-                problems.append(
-                    f"{path}:{row[2]}: {contig}:{row[0]}-{row[1]} overlaps line {reach[2]} ({contig}:{reach[0]}-"
-                    f"{reach[1]}); merge overlapping intervals first (e.g. `bedtools merge`)"
-                )
-            if row[1] > reach[1]:
-                reach = row
-        out[contig] = np.array([r[:2] for r in ordered], dtype=np.int64).reshape(-1, 2)  # (K, 2)
-    if problems:
-        listed = problems[:_MAX_LISTED]
-        more = [f"... and {len(problems) - _MAX_LISTED} more"] if len(problems) > _MAX_LISTED else []
-        if len(problems) == 1:
-            raise BedError(problems[0])
-        raise BedError(f"{len(problems)} problems in {path}:\n" + "\n".join(f"  - {p}" for p in listed + more))
-    return out
+        label = fields[3].strip() if len(fields) > 3 and fields[3].strip() else f"{contig}:{start + 1}-{end}"
+        features.append(Feature(contig, start, end, label, number))
+    return features, problems
+
+
+def _raise(path: str, problems: list[str]) -> None:
+    """BedError listing `problems` (at most _MAX_LISTED of them), if any."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise BedError(problems[0])
+    listed = problems[:_MAX_LISTED]
+    more = [f"... and {len(problems) - _MAX_LISTED} more"] if len(problems) > _MAX_LISTED else []
+    raise BedError(f"{len(problems)} problems in {os.fspath(path)}:\n" + "\n".join(f"  - {p}" for p in listed + more))
 
 
 def flank_and_merge(

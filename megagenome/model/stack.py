@@ -151,12 +151,14 @@ class BlockStack(nn.Module):
         if problem:
             raise ValueError(problem)
         self._check_length(input_ids)
+        wanted = set(layers)
         x = self.embed(input_ids)  # (B, T, d_model)
-        states = {0: x}
-        deepest = n if FINAL_NORM in layers else max(layers)
+        states = {0: x} if 0 in wanted else {}  # only the layers asked for stay alive, as in hidden()
+        deepest = n if FINAL_NORM in wanted else max(wanted)
         for i, block in enumerate(self.blocks[:deepest], start=1):
             x = block(x)  # (B, T, d_model)
-            states[i] = x
+            if i in wanted:
+                states[i] = x
         if FINAL_NORM in layers:
             states[FINAL_NORM] = self.norm(x)  # (B, T, d_model)
         return {layer: states[layer] for layer in layers}
