@@ -68,14 +68,31 @@ class BackgroundBuild:
             pathlib.Path(f"/proc/{self.proc.pid}/autogroup").write_text("19")
 
     def wait(self, timeout: float) -> str | None:
-        """None once the op is built, else what went wrong (with the build's last output)."""
+        """None once the op is built, else what went wrong (with the build's last output). A build still running
+        after `timeout` (on a machine busy with more than the suite, nice 19 gets next to no CPU) is given normal
+        priority and `timeout` more: the test then waits for the build instead of failing on the machine's load."""
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            return f"the background build of async_io did not finish within {timeout:.0f} s"
+            self.hurry()
+            try:
+                rc = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return f"the background build of async_io did not finish within {timeout:.0f} s at nice 19 and " + (
+                    f"{timeout:.0f} s more at nice 0"
+                )
         if rc != 0:
             return f"the background build of async_io exited {rc}:\n{self.log.read_text()[-3000:]}"
         return None
+
+    def hurry(self) -> None:
+        """The build and its compilers back at nice 0 (the session's autogroup too); what cannot be reniced (no
+        permission) is left as it is."""
+        with contextlib.suppress(OSError):
+            pathlib.Path(f"/proc/{self.proc.pid}/autogroup").write_text("0")
+        for pid in _session(self.proc.pid):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, pid, 0)
 
     def stop(self) -> None:
         """Stop an unfinished build: SIGTERM, on which torch releases the build lock it holds (a lock another process
