@@ -7,8 +7,9 @@ variants at both ends of the contig).
   transformer, HyenaDNA and StripedHyena 2; bad layers and a sequence past the context are refused;
 - pooling equals a computation from layer_states of each window alone: mean over its bases, the centre position
   (the variant's for a VCF row), per_base padded with zeros to the window with `lengths`;
-- rows and index: a record tiled by --window, --regions (1-based inclusive), a BED (in the FASTA's order), a VCF (a
-  REF and an ALT row per ALT allele, variant_index, skipped ALTs left out); the safetensors metadata;
+- rows and index: a record tiled by --window, --regions (1-based inclusive), a BED (its features in its order,
+  named by column 4), a VCF (a REF and an ALT row per ALT allele, variant_index, skipped ALTs left out); the
+  safetensors metadata;
 - bad input exits 2 naming the flag, or the file and line, and writes nothing; an existing output is kept without
   --overwrite;
 - 2 ranks through the real `deepspeed` launcher write the tensors one process writes (torch.equal) and the same index.
