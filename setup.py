@@ -30,6 +30,11 @@ setup(
         "tensorboard==2.21.0",  # event files beside metrics.jsonl (torch.utils.tensorboard writes through it)
         "matplotlib==3.10.9",  # `megagenome report` draws its PNGs
         "torchao==0.18.0",  # `megagenome export --quantize int8`: PyTorch's maintained quantization (quantize.py)
+        # `megagenome finetune --model.lora`: Hugging Face's LoRA adapters on any torch module, merged back on export.
+        "peft==0.21.2",
+        # Supervised variant-effect prediction (score-variants --supervised: logistic regression / gradient boosting,
+        # grouped cross-validation) and the task metrics of `finetune` (MCC, AUROC; Spearman through its scipy).
+        "scikit-learn==1.9.1",
     ],
     extras_require={
         # flash-attn compiles against the local CUDA toolkit; install it on GPU machines only.

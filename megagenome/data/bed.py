@@ -15,7 +15,7 @@ import gzip
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -59,13 +59,15 @@ def _coordinate_problem(label: str, value: str) -> str:
 @dataclass(frozen=True)
 class Feature:
     """One line of a BED file: [start, end) on a FASTA contig, its name (column 4, or contig:start+1-end when there
-    is none) and its line number."""
+    is none), its line number, and all its tab-separated columns as written, stripped (`columns[4]` is the score
+    where there is one: what data/labelled.py reads labels from). The columns take no part in comparisons."""
 
     contig: str
     start: int
     end: int
     name: str
     line: int
+    columns: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
 
 def read_features(
@@ -150,7 +152,7 @@ def _parse(
             problems.append(f"{path}:{number}: end {end} is past the end of {contig} (length {contig_lengths[contig]})")
             continue
         label = fields[3].strip() if len(fields) > 3 and fields[3].strip() else f"{contig}:{start + 1}-{end}"
-        features.append(Feature(contig, start, end, label, number))
+        features.append(Feature(contig, start, end, label, number, tuple(f.strip() for f in fields)))
     return features, problems
 
 
