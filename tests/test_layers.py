@@ -33,6 +33,7 @@ LAYERS = {
     "train/sync_points": 3,
     "train/prefetch": 3,
     "train/host_syncs": 3,
+    "train/task_loop": 3,
     "run": 4,
     "after_training": 4,
     "planner/plan": 4,
@@ -61,7 +62,14 @@ SEAMS = {
     "tensorboard": {"observe/dashboards"},
     "matplotlib": {"observe/report"},
     "jsonargparse": {"config/load", "cli"},
-    "safetensors": {"after_training/export", "after_training/weights", "after_training/embedding"},
+    "safetensors": {
+        "after_training/export",
+        "after_training/weights",
+        "after_training/embedding",
+        "after_training/task_weights",
+    },
+    "peft": {"model/lora"},  # LoRA adapters of `finetune`
+    "sklearn": {"observe/task_metrics", "after_training/supervised_vep"},
     "torchao": {"after_training/quantize", "train/optimizers"},  # int8 export; the 8-bit AdamW on CPU
     "bitsandbytes": {"train/optimizers"},  # the 8-bit AdamW on CUDA
 }

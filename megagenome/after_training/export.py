@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from megagenome.after_training import hf_files, quantize
+from megagenome.after_training import hf_files, quantize, task_weights
 from megagenome.after_training.weights import (
     DTYPES,
     EXPORT_MANIFEST,
@@ -102,7 +102,11 @@ def export(
         raise ExportError(f"--dtype must be fp32 or bf16 and --quantize none or int8, got {dtype}, {quantize_to}")
     if quantize_to != "int8" and (eval_fasta is not None or eval_windows is not None):
         raise ExportError("--eval_fasta and --eval_windows measure the int8 model: give them with --quantize int8")
-    model_cfg, state, read_from, run_cfg = read_weights(source, step)
+    task = task_weights.read_task_run(source, step) if task_weights.is_task_run(source) else None
+    if task is not None:  # a fine-tuning run: its backbone exports as a pretrained model's, the head beside it
+        model_cfg, state, read_from, run_cfg = task.model_cfg, task.backbone, task.tag, None
+    else:
+        model_cfg, state, read_from, run_cfg = read_weights(source, step)
     model_cfg = dataclasses.replace(model_cfg, init_from=None, compile=False)  # run options, not part of the model
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
@@ -110,8 +114,12 @@ def export(
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        manifest = _manifest(model_cfg, _provenance(source, read_from, run_cfg), dtype)
+        provenance = _task_provenance(source, task) if task is not None else _provenance(source, read_from, run_cfg)
+        manifest = _manifest(model_cfg, provenance, dtype)
         write_model(tmp, model_cfg, state, DTYPES[dtype])
+        if task is not None:
+            task_weights.write_head(tmp, task, DTYPES[dtype])
+            manifest["task"] = task_weights.head_manifest(task, source)
         if quantize_to == "int8":
             manifest["int8"] = _int8(tmp, model_cfg, state, run_cfg, eval_fasta, eval_windows)
         _write_json(os.path.join(tmp, EXPORT_MANIFEST), manifest)
@@ -169,6 +177,13 @@ def _provenance(source: str, read_from: str, run_cfg) -> dict:
         out["heldout_bits_per_base"] = rows[-1]["bits_per_base"]
         out["heldout_step"] = rows[-1]["step"]
     return out
+
+
+def _task_provenance(source: str, task) -> dict:
+    """Where a fine-tuning run's weights came from: the run, its checkpoint and step, the pretrained model."""
+    pretrained = task.record["pretrained"]
+    out = {"run_dir": os.path.abspath(source), "checkpoint": os.path.abspath(task.tag), "step": task.step}
+    return {**out, "finetuned_from": pretrained["path"], "pretrained_checkpoint": pretrained["read_from"]}
 
 
 def write_model(out_dir: str, model_cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
@@ -268,9 +283,38 @@ def model_card(manifest: dict) -> str:
         'loaded = load_model("DIR")  # loaded.model: the megagenome model',
     ]
     lines += ["```", "", "Continue pretraining from it with `megagenome pretrain ... --model.init_from DIR`.", ""]
+    if "task" in manifest:
+        lines += _task_card(manifest["task"])
     if "int8" in manifest:
         lines += _int8_card(manifest["int8"])
     return "\n".join(lines)
+
+
+def _task_card(t: dict) -> list[str]:
+    """The model card's section on a fine-tuning run's head."""
+    classes = ", ".join(t["classes"]) or "a value (regression)"
+    reads = "the final norm" if t["layer"] == -1 else f"block {t['layer']}"
+    merged = ", LoRA merged into the weights" if t["lora_merged"] else ""
+    lines = [
+        "## Task head",
+        "",
+        f"Fine-tuned by `megagenome finetune` for {t['task']} ({classes}): `{t['head']}` is a linear head on "
+        f"{reads}'s states ({t['pooling']} pooling for sequence tasks){merged}; "
+        f"the weights above are the fine-tuned backbone (step {t['step']}).",
+        "",
+    ]
+    for split, metrics in (t.get("results") or {}).items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+        lines += [f"- {split}: {shown}"]
+    lines += [
+        "",
+        "```python",
+        "from megagenome.after_training.weights import load_task_model",
+        'model = load_task_model("DIR")  # model(input_ids, lengths, labels) -> (loss, probabilities / values)',
+        "```",
+        "",
+    ]
+    return lines
 
 
 def _trust(manifest: dict) -> str:

@@ -1,6 +1,6 @@
 """A trained model's weights (layer L4): read whole from a run directory (any checkpoint layout, consolidated by
 train/consolidate.py) or a `megagenome export` directory, built into a dense model, and loaded into a new run's
-model (`--model.init_from`, this rank's tensor-parallel shard).
+model (`--model.init_from`, this rank's tensor-parallel shard); a fine-tuning run's task model (load_task_model).
 
 An export directory is marked by its manifest, megagenome.json (EXPORT_MANIFEST); export.py writes it and this
 module reads it back, so that inference, export and the assembly of a run all read weights one way.
@@ -15,10 +15,11 @@ from dataclasses import replace
 
 import torch
 
-from megagenome.after_training import quantize
+from megagenome.after_training import quantize, task_weights
 from megagenome.config import ConfigError, ModelConfig, RootConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import family_of
+from megagenome.model.heads import TaskModel
 from megagenome.train.consolidate import CheckpointError, check_shapes, run_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,7 +35,9 @@ def read_weights(
     path: str, step: int | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], str, RootConfig | None]:
     """(model config, dense weights with the model's state-dict keys, the directory read, the run config or None)
-    of a run directory (its newest complete checkpoint, or that of `step`) or a `megagenome export` directory."""
+    of a run directory (its newest complete checkpoint, or that of `step`) or a `megagenome export` directory. A
+    `megagenome finetune` run directory gives its fine-tuned backbone (LoRA merged) at its best step, or `step`,
+    and no run config."""
     if os.path.isfile(os.path.join(path, EXPORT_MANIFEST)):
         if step is not None:
             raise CheckpointError(f"{path} is an export directory: it holds one set of weights, --step does not apply")
@@ -42,6 +45,9 @@ def read_weights(
         return model_cfg, state, path, None
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory (give a run directory or a `megagenome export` directory)")
+    if task_weights.is_task_run(path):  # a fine-tuning run: its backbone (task_weights.py)
+        weights = task_weights.read_task_run(path, step)
+        return weights.model_cfg, weights.backbone, weights.tag, None
     cfg, state, tag = run_weights(path, step)
     return cfg.model, state, tag, cfg
 
@@ -154,3 +160,22 @@ def shard(name: str, weight: torch.Tensor, rank: int, size: int, family) -> torc
     if weight.size(dim) % size:
         raise ConfigError([f"tensor {name} {list(weight.shape)}: dimension {dim} does not split into {size} shards"])
     return weight.chunk(size, dim=dim)[rank]
+
+
+def load_task_model(path: str, step: int | None = None) -> TaskModel:
+    """The task model of a fine-tuning run directory or of its export, on CPU in eval mode (LoRA merged)."""
+    from safetensors.torch import load_file
+
+    if task_weights.is_task_run(path):
+        weights = task_weights.read_task_run(path, step)
+        backbone, head, entry = build_model(weights.model_cfg, weights.backbone), weights.head, weights.record
+    else:
+        entry = read_manifest(path).get("task")
+        if entry is None:
+            raise CheckpointError(f"{path}: an export of a pretrained model, not of a fine-tuning run (no task head)")
+        model_cfg, state = read_export(path)
+        backbone, head = build_model(model_cfg, state), load_file(os.path.join(path, entry["head"]))
+    model = TaskModel(backbone, entry["task"], max(len(entry["classes"]), 1), entry["layer"], entry["pooling"], 0.0)
+    model.head.load_state_dict({k: v.float() for k, v in head.items()})
+    model.set_target_scale(entry["target_mean"], entry["target_std"])
+    return model.eval()

@@ -22,6 +22,7 @@ from argparse import SUPPRESS, ArgumentError
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
+from megagenome.config.finetune import FinetuneConfig
 from megagenome.config.sections import ManifestConfig, RootConfig
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -113,6 +114,25 @@ def config_from_dict(values: dict) -> RootConfig:
 def load_config(path: str) -> RootConfig:
     """RootConfig of one YAML file, e.g. the config.yaml a run wrote into its run directory."""
     return config_from_args(["--config", path])
+
+
+def finetune_parser(prog: str = "megagenome finetune", description: str | None = None) -> ArgumentParser:
+    """The parser of `megagenome finetune`'s command line: --config and one flag per FinetuneConfig field."""
+    parser = strict(ArgumentParser(prog=prog, description=description))
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML fine-tuning config (later files override).")
+    parser.add_class_arguments(FinetuneConfig, nested_key=None, fail_untyped=True)
+    return parser
+
+
+def finetune_config(ns) -> FinetuneConfig:
+    """The FinetuneConfig of an instantiated namespace holding one attribute per section."""
+    return FinetuneConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(FinetuneConfig)})
+
+
+def finetune_config_from_dict(values: dict) -> FinetuneConfig:
+    """FinetuneConfig of nested dicts, type-checked like a YAML file (strict): what a run's config.yaml holds."""
+    parser = finetune_parser()
+    return finetune_config(parser.instantiate(parser.parse_object(values)))
 
 
 def load_manifest(path: str) -> ManifestConfig:

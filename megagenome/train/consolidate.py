@@ -69,21 +69,28 @@ def dense_state_dict(tag: str, cfg: RootConfig, ds_json: dict) -> dict[str, torc
         state = _universal(tag)
     elif cfg.parallel.pipeline > 1:
         state = pipeline.dense_state_dict(tag, cfg.model)
-    elif zero_stage(ds_json) == 3:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        parent, name = os.path.split(os.path.normpath(tag))
-        state = dict(get_fp32_state_dict_from_zero_checkpoint(parent, name))
     else:
-        files = sorted(glob.glob(os.path.join(tag, "mp_rank_*_model_states.pt")))
-        if not files:
-            raise CheckpointError(f"{tag}: no mp_rank_*_model_states.pt files")
-        shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
-        state = merge_shards(shards, family_of(cfg.model).partition_dim)
+        shards = module_shards(tag, ds_json)
+        state = shards[0] if len(shards) == 1 else merge_shards(shards, family_of(cfg.model).partition_dim)
     state = family_of(cfg.model).tie(state, cfg.model)
     state = {k: v.detach().contiguous() for k, v in state.items()}
     check_shapes(state, cfg.model, tag)
     return state
+
+
+def module_shards(tag: str, ds_json: dict) -> list[dict[str, torch.Tensor]]:
+    """The engine module's state dict of a ZeRO 0-3 checkpoint directory `tag` written without pipeline
+    parallelism, one per tensor-parallel rank (ZeRO-3: one, the fp32 master weights gathered by DeepSpeed's
+    zero_to_fp32, frozen parameters included); any module, whatever its keys (a fine-tuning run's task model too)."""
+    if zero_stage(ds_json) == 3:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        parent, name = os.path.split(os.path.normpath(tag))
+        return [dict(get_fp32_state_dict_from_zero_checkpoint(parent, name))]
+    files = sorted(glob.glob(os.path.join(tag, "mp_rank_*_model_states.pt")))
+    if not files:
+        raise CheckpointError(f"{tag}: no mp_rank_*_model_states.pt files")
+    return [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
 
 
 def _universal(tag: str) -> dict[str, torch.Tensor]:

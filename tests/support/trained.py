@@ -38,6 +38,7 @@ AFTER: list[tuple[str, str, dict]] = [
     ("eval_2ranks", "support.eval_checks:eval_two_ranks", {}),
     ("score_2ranks", "support.scoring_checks:score_two_ranks", {}),
     ("init_from_2ranks", "support.export_checks:init_from_two_ranks", {}),
+    ("finetune_2ranks", "support.finetune_checks:finetune_two_ranks", {}),
 ]
 
 

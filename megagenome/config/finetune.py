@@ -1,0 +1,240 @@
+"""The fine-tuning configuration (layer L0): what `megagenome finetune` trains, from which pretrained model, on which
+labelled sequences; standard library only, like sections.py. `megagenome finetune --help` prints every field's
+docstring; a YAML file given with --config sets the same keys (unknown keys are errors).
+
+    model       the pretrained backbone (a run or export directory), the layer and pooling the head reads, LoRA
+    data        the labelled sequences: a Genomic Benchmarks directory, or a FASTA with BED files carrying labels
+    train       batches, schedule, the DeepSpeed JSON, evaluation cadence and early stopping
+    checkpoint  cadence (every evaluation) and resume
+    log         the run directory and what the run shows
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+TASK_METRICS = {
+    "classification": ("loss", "accuracy", "mcc", "auroc"),
+    "regression": ("loss", "spearman", "pearson", "mse"),
+    "per_base": ("loss", "accuracy", "mcc", "auroc"),
+}
+DEFAULT_METRIC = {"classification": "mcc", "regression": "spearman", "per_base": "mcc"}
+
+
+@dataclass
+class TaskModelConfig:
+    """The pretrained model and the task head on it."""
+
+    pretrained: str = ""
+    """A `megagenome pretrain` run directory (its newest complete checkpoint, or --model.step) or a `megagenome
+    export` directory: the backbone's shape and weights (any family, any checkpoint layout)."""
+    step: int | None = None
+    """Checkpoint step of --model.pretrained to start from (a run directory only; default: its newest)."""
+    layer: int = -1
+    """Backbone layer the head reads: -1 the final norm's output (what the LM head reads), i in 1..n_layer block i's
+    output (the layers past it are not run). Only -1 uses the DeepSpeed JSON's activation checkpointing."""
+    pooling: Literal["mean", "last", "centre"] = "mean"
+    """Sequence tasks: how the head sees a sequence: mean over its bases, its last base (for a causal model the one
+    position that has seen the whole sequence) or its middle base. Per-base tasks read every position."""
+    head_dropout: float = 0.1
+    """Dropout on the pooled features before the head's linear layer."""
+    lora: bool = False
+    """Train LoRA adapters (the peft library) on the backbone's block projections and the head, with the backbone's
+    own weights frozen; `megagenome export` merges them into the weights. False: full fine-tuning."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is lora_alpha / lora_r x B A)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch's input."""
+    freeze_backbone: bool = False
+    """Train the head alone (a linear probe of the chosen layer); the backbone stays as pretrained."""
+
+
+@dataclass
+class TaskDataConfig:
+    """The labelled sequences, read whole before training starts."""
+
+    task: Literal["classification", "regression", "per_base"] = "classification"
+    """classification: a class per sequence; regression: a value per sequence; per_base: a class per base."""
+    benchmark: str = ""
+    """A directory in the Genomic Benchmarks layout: train/ and test/, each with a folder of one-sequence .txt files
+    per class, or a FASTA per class (<class>.fa), or train.csv and test.csv (columns seq, label). Classification."""
+    fasta: str = ""
+    """With BED files: the genome the intervals are cut from (plain or BGZF)."""
+    train_bed: str = ""
+    """BED of the training intervals over --data.fasta, the label in column --data.label_column (classification,
+    regression), or the windows whose bases --data.annotation_bed labels (per_base)."""
+    validation_bed: str = ""
+    """BED of the validation intervals (default: --data.validation_fraction of the training set, held out)."""
+    test_bed: str = ""
+    """BED of the test intervals (with --data.benchmark, its test/ split)."""
+    label_column: int = 4
+    """1-based BED column holding the label (4: the name column)."""
+    annotation_bed: str = ""
+    """per_base: the features that label the bases of each window (their name, column 4, is the class; a base in
+    none is "background")."""
+    validation_fraction: float = 0.1
+    """Fraction of the training set held out for validation (stratified by class, seeded) when no validation set is
+    given."""
+    max_len: int | None = None
+    """Crop longer sequences to their central max_len bases (default: a sequence longer than the model's context
+    --model.max_seq_len of the pretrained config is an error naming it)."""
+    rc_prob: float = 0.0
+    """Probability of training on a sequence's reverse complement (per-base labels reversed with it)."""
+    seed: int = 1234
+    """Seed of the validation split, the training order and the reverse-complement draws."""
+
+
+@dataclass
+class TaskTrainConfig:
+    """Batches, optimisation schedule, the DeepSpeed engine JSON, evaluation and early stopping."""
+
+    ds_config: str | list[str] = "ds_configs/zero1_bf16.json"
+    """DeepSpeed JSON (or an ordered list of fragments merged deep) with the engine knobs: ZeRO stage 0-3, offload,
+    bf16/fp16, activation checkpointing. The keys this config owns (batch sizes, optimizer, scheduler, clipping)
+    may not be set in it."""
+    micro_batch_size: int = 16
+    """Sequences per forward pass on one rank."""
+    grad_accum_steps: int = 1
+    """Micro batches per optimizer step; the global batch is micro x accumulation x ranks."""
+    max_steps: int = 1000
+    """Optimizer steps at most (early stopping may end the run sooner)."""
+    stop_at: int | None = None
+    """Stop this invocation after this step with a checkpoint (a later invocation resumes); default: max_steps."""
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the schedule."""
+    warmup_steps: int = 50
+    """Linear warmup steps."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """Learning-rate schedule after warmup, down to min_lr at max_steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay of matrices (biases and norms are not decayed)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping (0: off)."""
+    eval_interval: int = 100
+    """Evaluate on the validation set (and save a checkpoint) every N steps, and at the last step."""
+    log_interval: int = 10
+    """Write a training row to metrics.jsonl every N steps."""
+    patience: int = 5
+    """Stop after this many evaluations in a row without improving --train.metric (0: never stop early)."""
+    metric: Literal["auto", "loss", "accuracy", "mcc", "auroc", "spearman", "pearson", "mse"] = "auto"
+    """Validation metric that early stopping and the kept best checkpoint follow (auto: mcc for classification and
+    per_base, spearman for regression)."""
+    seed: int = 1234
+    """Seed of the head's initialisation, LoRA's and dropout."""
+    num_threads: int | None = None
+    """CPU threads per rank (default: the cores divided by the ranks on this node)."""
+
+
+@dataclass
+class TaskCheckpointConfig:
+    """Checkpoints: one at every evaluation; the best by --train.metric is kept until the run ends."""
+
+    resume: str = "auto"
+    """auto: continue from the run directory's newest complete checkpoint if there is one; none: start afresh (an
+    existing checkpoint is refused); or a checkpoint directory."""
+    keep_last: int = 2
+    """Newest checkpoints kept besides the best one (at least --train.patience + 1 are kept while it may matter)."""
+
+
+@dataclass
+class TaskLogConfig:
+    """Where the run writes and what it shows."""
+
+    run_dir: str = "runs/finetune"
+    """Run directory: config.yaml, ds_config.json, task.json, metrics.jsonl, predictions, checkpoints/."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    tensorboard: bool = True
+    """Write TensorBoard event files of every metrics row into <run dir>/tensorboard."""
+
+
+@dataclass
+class FinetuneConfig:
+    """Everything a fine-tuning run needs."""
+
+    model: TaskModelConfig = field(default_factory=TaskModelConfig)
+    """The pretrained model and the head."""
+    data: TaskDataConfig = field(default_factory=TaskDataConfig)
+    """The labelled sequences."""
+    train: TaskTrainConfig = field(default_factory=TaskTrainConfig)
+    """Batches, schedule, engine JSON, evaluation, early stopping."""
+    checkpoint: TaskCheckpointConfig = field(default_factory=TaskCheckpointConfig)
+    """Checkpoint resume and retention."""
+    log: TaskLogConfig = field(default_factory=TaskLogConfig)
+    """Run directory and console output."""
+
+
+def metric_of(cfg: FinetuneConfig) -> str:
+    """The validation metric early stopping follows (--train.metric, auto resolved by the task)."""
+    return DEFAULT_METRIC[cfg.data.task] if cfg.train.metric == "auto" else cfg.train.metric
+
+
+def finetune_problems(cfg: FinetuneConfig) -> list[str]:
+    """Every problem of the config alone (files and the pretrained model are checked by run/finetune.py), each
+    naming its flag."""
+    m, d, t, c = cfg.model, cfg.data, cfg.train, cfg.checkpoint
+    out = []
+    if not m.pretrained:
+        out.append("--model.pretrained: give the pretraining run or export directory to fine-tune")
+    if bool(d.benchmark) == bool(d.train_bed):
+        out.append("--data.benchmark or --data.train_bed (with --data.fasta): give exactly one")
+    if d.train_bed and not d.fasta:
+        out.append("--data.fasta: the BED intervals need the genome they are cut from")
+    if d.task == "per_base" and not d.annotation_bed:
+        out.append("--data.annotation_bed: a per_base task labels bases by the features of this BED")
+    if d.task != "per_base" and d.annotation_bed:
+        out.append(f"--data.annotation_bed applies to --data.task per_base, not {d.task}")
+    if d.benchmark and d.task != "classification":
+        out.append(f"--data.benchmark holds class folders: --data.task must be classification, not {d.task}")
+    if d.benchmark and (d.validation_bed or d.test_bed):
+        out.append("--data.validation_bed / --data.test_bed go with --data.train_bed, not --data.benchmark")
+    if not 0.0 <= d.validation_fraction < 1.0:
+        out.append(f"--data.validation_fraction={d.validation_fraction} must be in [0, 1)")
+    if not d.validation_bed and d.validation_fraction == 0.0:
+        out.append("--data.validation_fraction=0 with no --data.validation_bed: early stopping needs a validation set")
+    if not 0.0 <= d.rc_prob <= 1.0:
+        out.append(f"--data.rc_prob={d.rc_prob} must be in [0, 1]")
+    if d.max_len is not None and d.max_len < 1:
+        out.append(f"--data.max_len={d.max_len} must be positive")
+    if d.label_column < 1:
+        out.append(f"--data.label_column={d.label_column} is 1-based")
+    metric = metric_of(cfg)
+    if metric not in TASK_METRICS[d.task]:
+        allowed = ", ".join(TASK_METRICS[d.task])
+        out.append(f"--train.metric={metric} is not a {d.task} metric (one of {allowed}, or auto)")
+    for flag, value in (
+        ("--train.micro_batch_size", t.micro_batch_size),
+        ("--train.grad_accum_steps", t.grad_accum_steps),
+        ("--train.max_steps", t.max_steps),
+        ("--train.eval_interval", t.eval_interval),
+        ("--train.log_interval", t.log_interval),
+        ("--model.lora_r", m.lora_r),
+    ):
+        if value < 1:
+            out.append(f"{flag}={value} must be at least 1")
+    if t.patience < 0:
+        out.append(f"--train.patience={t.patience} must be 0 (off) or more")
+    if t.stop_at is not None and not 1 <= t.stop_at <= t.max_steps:
+        out.append(f"--train.stop_at={t.stop_at} must be in 1..--train.max_steps={t.max_steps}")
+    if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
+        out.append(f"--train.warmup_steps={t.warmup_steps} must be in 0..--train.max_steps={t.max_steps}")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        out.append(f"--train.lr={t.lr} and --train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0")
+    if m.lora and m.freeze_backbone:
+        out.append("--model.lora and --model.freeze_backbone: LoRA already freezes the backbone's weights; pick one")
+    if not 0.0 <= m.head_dropout < 1.0 or not 0.0 <= m.lora_dropout < 1.0:
+        out.append("--model.head_dropout and --model.lora_dropout must be in [0, 1)")
+    if c.keep_last < 1:
+        out.append(f"--checkpoint.keep_last={c.keep_last} must be at least 1")
+    return out
+
+
+def finetune_dict(cfg: FinetuneConfig) -> dict:
+    """Plain nested dict of the config (what the run's config.yaml holds)."""
+    return dataclasses.asdict(cfg)

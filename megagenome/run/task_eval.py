@@ -1,0 +1,105 @@
+"""Evaluation of a task model on a split (layer L4): every rank its share, outputs gathered, metrics on every rank.
+
+Each rank runs the same number of forward passes (data/task_batches.py eval_batches: under ZeRO-3 a forward is a
+collective), the outputs of its real examples are gathered on every rank in example order, and the metrics
+(observe/task_metrics.py) and the loss are computed from them alike on every rank, so early stopping needs no
+broadcast. The loss is the training objective's: cross entropy in nats (per example, or per labelled base), or the
+mean squared error of the standardised target.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megagenome.data.task_batches import IGNORE, eval_batches
+from megagenome.observe.record import atomic_write
+from megagenome.observe.task_metrics import task_metrics
+from megagenome.train import engine as ds
+
+
+class Evaluator:
+    """metrics(split) -> (metrics, outputs in example order) of the engine's current weights."""
+
+    def __init__(self, engine, data, micro: int, rank: int, world: int, to_device):
+        self.engine, self.data, self.micro = engine, data, micro
+        self.rank, self.world, self.to_device = rank, world, to_device
+        module = engine.module
+        self.scale = (module.head.target_mean, module.head.target_std)
+
+    def outputs(self, split: str) -> list[np.ndarray]:
+        """The model's outputs (probabilities (C,) or (T, C), or a value) of every example of `split`, in order."""
+        examples = self.data.splits[split]
+        mine = []
+        self.engine.eval()
+        with torch.no_grad():
+            for index, batch in eval_batches(examples, self.data.task, self.micro, self.rank, self.world):
+                _, out = self.engine(**self.to_device(batch))
+                out = out.float().cpu().numpy()
+                lengths = batch["lengths"].numpy()
+                for row, i in enumerate(index):
+                    mine.append((i, out[row, : lengths[row]] if self.data.task == "per_base" else out[row]))
+        ordered = sorted((pair for part in ds.all_gather_object(mine) for pair in part), key=lambda pair: pair[0])
+        return [o for _, o in ordered]
+
+    def metrics(self, split: str) -> tuple[dict, list[np.ndarray]]:
+        outputs = self.outputs(split)
+        examples = self.data.splits[split]
+        task = self.data.task
+        if task == "per_base":
+            labels, probs = _padded(examples, outputs)
+            valid = labels != IGNORE
+            picked = probs[valid, labels[valid]]
+            loss = float(-np.log(np.clip(picked, 1e-12, None)).mean())
+            metrics = task_metrics(task, labels, probs)
+        elif task == "regression":
+            values = np.array([float(e.label) for e in examples])
+            predictions = np.array(outputs, dtype=np.float64)
+            std = self.scale[1]
+            loss = float((((predictions - values) / std) ** 2).mean())
+            metrics = task_metrics(task, values, predictions)
+        else:
+            labels = np.array([int(e.label) for e in examples])
+            probs = np.stack(outputs)
+            loss = float(-np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None)).mean())
+            metrics = task_metrics(task, labels, probs)
+        return {"loss": loss, **metrics}, outputs
+
+
+def _padded(examples, outputs) -> tuple[np.ndarray, np.ndarray]:
+    """(labels (N, T) with IGNORE past each sequence, probabilities (N, T, C)) of per-base outputs."""
+    longest = max(len(o) for o in outputs)
+    classes = outputs[0].shape[-1]
+    labels = np.full((len(outputs), longest), IGNORE, dtype=np.int64)
+    probs = np.zeros((len(outputs), longest, classes), dtype=np.float32)
+    for i, (e, o) in enumerate(zip(examples, outputs)):
+        labels[i, : len(o)] = np.asarray(e.label)[: len(o)]
+        probs[i, : len(o)] = o
+    return labels, probs
+
+
+def write_predictions(path: str, data, split: str, outputs: list[np.ndarray]) -> None:
+    """A TSV of `split`'s predictions: name, label, then the prediction (regression), the predicted class and each
+    class's probability (classification), or the bases, labels and predicted classes as strings (per_base)."""
+    examples = data.splits[split]
+    classes = list(data.classes)
+    if data.task == "regression":
+        header = ["name", "label", "prediction"]
+        rows = [[e.name, e.label, f"{float(o):.6g}"] for e, o in zip(examples, outputs)]
+    elif data.task == "per_base":
+        header = ["name", "labels", "predicted"]
+        rows = [[e.name, _classes_string(e.label), _classes_string(o.argmax(-1))] for e, o in zip(examples, outputs)]
+    else:
+        header = ["name", "label", "predicted", *[f"p_{c}" for c in classes]]
+        rows = [
+            [e.name, classes[int(e.label)], classes[int(o.argmax())], *[f"{p:.6g}" for p in o]]
+            for e, o in zip(examples, outputs)
+        ]
+    lines = ["\t".join(header)] + ["\t".join(str(v) for v in row) for row in rows]
+    atomic_write(path, "\n".join(lines) + "\n")
+
+
+def _classes_string(labels) -> str:
+    """Per-base class indices as one string of digits (IGNORE as '.'); classes past 9 as letters."""
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    return "".join("." if v == IGNORE else digits[int(v)] for v in np.asarray(labels))

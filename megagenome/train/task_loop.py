@@ -1,0 +1,154 @@
+"""The fine-tuning loop (layer L3): step, log, evaluate, stop early, checkpoint.
+
+Like train/loop.py it talks to the DeepSpeed engine through `engine(**batch)`, backward and step (DeepSpeed applies
+the update at the accumulation boundary, so a step is grad_accum micro steps) and gets batches, evaluation, the
+collective sum and checkpoint saving as callables. Every --train.eval_interval steps and at the last step it
+evaluates the validation set, updates the early-stopping state and saves a checkpoint with that state in it (so a
+resumed run stops where the uninterrupted one would); after --train.patience evaluations in a row without
+improvement every rank stops after the same step (the metric is computed from outputs gathered on every rank, so
+each rank takes the same decision without another collective).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class EarlyStopping:
+    """The best validation value so far, its step, and how many evaluations since have not beaten it."""
+
+    metric: str
+    higher_is_better: bool
+    patience: int  # 0: never stop early
+    best: float | None = None
+    best_step: int | None = None
+    bad_evals: int = 0
+
+    def update(self, step: int, value: float | None) -> bool:
+        """Record an evaluation; True when it is the new best. An undefined value (None) never improves."""
+        better = value is not None and (
+            self.best is None or (value > self.best if self.higher_is_better else value < self.best)
+        )
+        if better:
+            self.best, self.best_step, self.bad_evals = float(value), step, 0
+        else:
+            self.bad_evals += 1
+        return better
+
+    @property
+    def exhausted(self) -> bool:
+        return self.patience > 0 and self.bad_evals >= self.patience
+
+    def state(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def restore(cls, state: dict) -> EarlyStopping:
+        return cls(**state)
+
+
+@dataclass
+class TaskPlan:
+    """Runtime facts of the loop, derived by run/finetune.py from the config and the world."""
+
+    start_step: int
+    max_steps: int
+    stop_at: int  # last step of this invocation
+    grad_accum: int
+    global_batch: int
+    eval_interval: int
+    log_interval: int
+    world_size: int
+    rank: int
+    progress: bool = True
+
+
+@dataclass
+class TaskResult:
+    """How the loop ended."""
+
+    last_step: int
+    stopped_early: bool
+    rows: list[dict] = field(default_factory=list)  # the validation rows of this invocation
+
+
+def fit_task(
+    engine,
+    train_batch: Callable[[int, int], dict],
+    to_device: Callable[[dict], dict],
+    evaluate: Callable[[], dict],
+    save: Callable[[int, EarlyStopping], None],
+    reduce_sum: Callable[[list[float]], list[float]],
+    write: Callable[[dict], None],
+    stopping: EarlyStopping,
+    plan: TaskPlan,
+) -> TaskResult:
+    """Train steps start_step+1 .. stop_at (module docstring). Returns the last step trained and whether early
+    stopping ended the run. `evaluate()` returns the validation metrics (with "loss"); `save(step, stopping)` writes a
+    checkpoint; `write(row)` appends a metrics row (rank 0 writes)."""
+    result = TaskResult(plan.start_step, stopping.exhausted)
+    if result.stopped_early:
+        return result  # a resumed run whose early stopping had already ended it
+    bar = _progress(plan)
+    window_loss, window_steps, window_start = 0.0, 0, time.time()
+    for step in range(plan.start_step + 1, plan.stop_at + 1):
+        engine.train()
+        loss = 0.0
+        for micro in range(plan.grad_accum):
+            out = engine(**to_device(train_batch(step - 1, micro)))
+            engine.backward(out[0])
+            engine.step()
+            loss += float(out[0].detach()) / plan.grad_accum
+        window_loss, window_steps = window_loss + loss, window_steps + 1
+        result.last_step = step
+        if bar is not None:
+            bar.update(1)
+        if step % plan.log_interval == 0 or step == plan.stop_at:
+            total, seconds = reduce_sum([window_loss])[0], time.time() - window_start
+            row = {"step": step, "loss": total / (plan.world_size * window_steps), "lr": _lr(engine)}
+            row.update(grad_norm=_grad_norm(engine), examples_per_s=window_steps * plan.global_batch / seconds)
+            write(row)
+            if bar is not None:
+                bar.set_postfix(loss=f"{row['loss']:.4f}")
+            window_loss, window_steps, window_start = 0.0, 0, time.time()
+        if step % plan.eval_interval and step != plan.max_steps:
+            if step == plan.stop_at:  # the invocation ends between evaluations: a checkpoint, no evaluation
+                save(step, stopping)
+            continue
+        metrics = evaluate()
+        improved = stopping.update(step, metrics.get(stopping.metric))
+        row = {"step": step, "split": "validation", **metrics, "best": improved}
+        write(row)
+        result.rows.append(row)
+        save(step, stopping)
+        window_start = time.time()  # evaluation and saving are not training throughput
+        if stopping.exhausted:
+            result.stopped_early = True
+            break
+    if bar is not None:
+        bar.close()
+    return result
+
+
+def _progress(plan: TaskPlan):
+    if plan.rank != 0 or not plan.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=plan.stop_at, initial=plan.start_step, desc="finetune", unit="step", dynamic_ncols=True)
+
+
+def _lr(engine) -> float:
+    return float(engine.get_lr()[0])
+
+
+def _grad_norm(engine) -> float | None:
+    norm = getattr(engine, "get_global_grad_norm", lambda: None)()
+    if norm is None:
+        return None
+    norm = float(norm)
+    return norm if math.isfinite(norm) else None

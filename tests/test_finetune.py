@@ -1,0 +1,219 @@
+"""Tiers 1-3: `megagenome finetune`, from a pretrained run to a task model.
+
+The fine-tuning runs are the scenarios of support/finetune_checks.py, run in the 2-rank `deepspeed` launch of the
+`trained` fixture (support/trained.py) from its "dense" run, so no test here starts DeepSpeed again. Claims:
+
+- ZeRO stages 1, 2 and 3 equal ZeRO 0 (fp32, 2 ranks): every step's training loss and the validation metrics;
+- gradient accumulation: micro 2 x accumulation 2 equals micro 4 x accumulation 1;
+- stopping at step 4 (between evaluations) and resuming equals the uninterrupted ZeRO-3 run;
+- early stopping stops every rank after the same step and keeps the best checkpoint;
+- LoRA merged into the backbone gives the adapter model's logits, and the export of a LoRA run (the backbone
+  exported as a pretrained model is, the head beside it) predicts what the run predicted;
+- regression and per-base heads train and report Spearman / MCC; metrics reach TensorBoard and the report;
+- a bad config is refused before anything starts, naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from support.helpers import PYTHON, REPO, env
+
+from megagenome.after_training import task_weights
+from megagenome.after_training.export import export
+from megagenome.after_training.inference import load_model
+from megagenome.after_training.weights import load_task_model, read_export
+from megagenome.config import ConfigError
+from megagenome.config.load import finetune_config_from_dict
+from megagenome.data.labelled import read_genomic_benchmarks
+from megagenome.data.task_batches import collate
+from megagenome.observe.dashboards import read_tensorboard
+from megagenome.observe.metrics import read_metrics
+from megagenome.run import finetune
+from megagenome.train.consolidate import module_shards
+
+pytestmark = pytest.mark.slow
+LOSS_ATOL = 1e-5  # fp32 ZeRO stages and accumulation reorder sums: measured differences are ~1e-7
+
+
+@pytest.fixture(scope="module")
+def tuned(trained):
+    return trained.check_dir("finetune_2ranks")
+
+
+def train_losses(run_dir) -> list[float]:
+    return [r["loss"] for r in read_metrics(str(run_dir / "metrics.jsonl")) if "split" not in r]
+
+
+def summary(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def close(a: dict, b: dict, keys=("loss", "accuracy", "mcc", "auroc")) -> bool:
+    return all(abs(a[k] - b[k]) <= LOSS_ATOL for k in keys if a.get(k) is not None)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "accum", "zero3_split"])
+def test_equals_zero0(tuned, name):
+    """Every step's loss and the best checkpoint's validation and test metrics equal ZeRO 0's."""
+    ref, run = train_losses(tuned / "zero0"), train_losses(tuned / name)
+    assert len(run) == len(ref) == 6
+    assert np.allclose(run, ref, atol=LOSS_ATOL, rtol=0), (name, run, ref)
+    a, b = summary(tuned / "zero0"), summary(tuned / name)
+    assert a["best_step"] == b["best_step"]
+    assert close(a["validation"], b["validation"]) and close(a["test"], b["test"]), (a, b)
+
+
+def test_resume_saved_between_evaluations(tuned):
+    """The split run stopped at step 4 with a checkpoint but no evaluation, so its validation rows are the
+    uninterrupted run's: evaluations at 3 and 6 only."""
+    rows = read_metrics(str(tuned / "zero3_split" / "metrics.jsonl"))
+    assert [r["step"] for r in rows if r.get("split") == "validation"] == [3, 6]
+    assert [r["step"] for r in rows if "split" not in r] == list(range(1, 7))
+
+
+def test_early_stopping(tuned):
+    """At lr 1e-9 no evaluation after the first improves: patience 2 stops every rank after step 3, the best
+    checkpoint (step 1) is kept beside the newest, and the test rows are the best checkpoint's."""
+    s = summary(tuned / "early")
+    assert s["stopped_early"] and s["last_step"] == 3 and s["best_step"] == 1
+    kept = sorted(p.name for p in (tuned / "early" / "checkpoints").glob("step_*"))
+    assert "step_00000001" in kept and "step_00000003" in kept
+    assert json.loads((tuned / "early" / "best.json").read_text())["step"] == 1
+    rows = read_metrics(str(tuned / "early" / "metrics.jsonl"))
+    assert [r["step"] for r in rows if r.get("split") == "test_best"] == [1]
+
+
+def test_lora_merged_equals_adapter(tuned):
+    """The LoRA run's best checkpoint as peft's adapter model and merged into the backbone give the same
+    probabilities (fp32); the adapters moved the weights away from the pretrained ones."""
+    run = tuned / "lora"
+    record = task_weights.read_record(str(run))
+    weights = task_weights.read_task_run(str(run))
+    adapter = task_weights.empty_task_model(record)
+    state = module_shards(weights.tag, json.loads((run / "ds_config.json").read_text()))[0]
+    adapter.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    adapter.eval()
+    merged = load_task_model(str(run))
+    data = read_genomic_benchmarks(str(tuned / "data" / "species"))
+    batch = collate(data.splits["test"], "classification")
+    with torch.no_grad():
+        a, b = adapter(**batch)[1], merged(**batch)[1]
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    lora_b = [v for k, v in state.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b)
+
+
+def test_export_of_a_finetuned_model(tuned, tmp_path):
+    """`megagenome export` of the LoRA run: a pretrained model's export (loads with read_export and
+    inference.load_model, a Llama config for transformers) plus the head; its task model predicts the run's
+    predictions_test.tsv."""
+    out = tmp_path / "export"
+    manifest = export(str(tuned / "lora"), str(out))
+    assert manifest["task"]["classes"] == ["lambda", "phiX"] and manifest["task"]["lora_merged"]
+    assert (out / "task_head.safetensors").exists() and (out / "config.json").exists()
+    model_cfg, _ = read_export(str(out))
+    assert load_model(str(out)).model.cfg.d_model == model_cfg.d_model
+    data = read_genomic_benchmarks(str(tuned / "data" / "species"))
+    with torch.no_grad():
+        _, probs = load_task_model(str(out))(**collate(data.splits["test"], "classification"))
+    lines = (tuned / "lora" / "predictions_test.tsv").read_text().splitlines()
+    assert lines[0].split("\t")[:3] == ["name", "label", "predicted"]
+    written = np.array([[float(x) for x in line.split("\t")[3:]] for line in lines[1:]])
+    # The run evaluated in bf16, the export is fp32: equal to bf16's resolution.
+    assert np.abs(probs.numpy() - written).max() < 0.02
+
+
+def test_regression_and_per_base(tuned):
+    reg, pb = summary(tuned / "regression"), summary(tuned / "per_base")
+    assert reg["metric"] == "spearman" and set(reg["validation"]) >= {"spearman", "pearson", "mse", "loss"}
+    assert reg["validation"]["n"] == 25 and "test" not in reg
+    assert pb["metric"] == "mcc" and pb["validation"]["n"] > 900  # bases, not windows
+    record = json.loads((tuned / "regression" / "task.json").read_text())
+    assert record["target_std"] > 0 and 0.3 < record["target_mean"] < 0.6  # GC fractions of phiX174
+    lines = (tuned / "per_base" / "predictions_validation.tsv").read_text().splitlines()
+    assert lines[0] == "name\tlabels\tpredicted" and len(lines[1].split("\t")[1]) == 64
+
+
+def test_tensorboard_and_report(tuned, tmp_path):
+    run = tuned / "regression"
+    scalars = read_tensorboard(str(run / "tensorboard"))
+    assert {"train/loss", "validation/spearman", "validation_best/spearman"} <= set(scalars)
+    out = subprocess.run(
+        [PYTHON, "-m", "megagenome", "report", str(run), "--output", str(tmp_path)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "report.md").read_text()
+    assert "## The best checkpoint" in report and "spearman" in report
+    assert (tmp_path / "spearman.png").exists() and (tmp_path / "loss.png").exists()
+
+
+# ----- refusals before anything starts (no process group) ---------------------------------------------------------
+
+
+def _cfg(tuned, trained, **sections) -> dict:
+    cfg = {
+        "model": {"pretrained": str(trained.run_dir("dense"))},
+        "data": {"benchmark": str(tuned / "data" / "species")},
+        "train": {"ds_config": str(REPO / "ds_configs" / "zero0.json")},
+        "log": {"run_dir": "unused"},
+    }
+    for section, values in sections.items():
+        cfg[section].update(values)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "sections, flag",
+    [
+        ({"model": {"pretrained": ""}}, "--model.pretrained"),
+        ({"data": {"train_bed": "x.bed", "fasta": "x.fa"}}, "--data.benchmark or --data.train_bed"),
+        ({"train": {"metric": "spearman"}}, "--train.metric=spearman"),
+        ({"model": {"layer": 7}}, "--model.layer=7"),
+        ({"data": {"task": "regression"}}, "--data.benchmark holds class folders"),
+        ({"model": {"lora": True, "freeze_backbone": True}}, "--model.lora and --model.freeze_backbone"),
+        ({"model": {"pretrained": "/nonexistent"}}, "--model.pretrained=/nonexistent"),
+    ],
+)
+def test_refused_naming_the_flag(tuned, trained, sections, flag):
+    with pytest.raises(ConfigError) as e:
+        finetune.validate(finetune_config_from_dict(_cfg(tuned, trained, **sections)), [])
+    assert flag in str(e.value)
+
+
+def test_longer_than_the_context(tuned, trained, tmp_path):
+    """The dense run's context is 128 bases: a 200-base sequence is refused by name, --data.max_len crops it."""
+    bench = tmp_path / "bench"
+    for split in ("train", "test"):
+        for label, base in (("a", "AC"), ("b", "GT")):
+            (bench / split / label).mkdir(parents=True)
+            for i in range(3):
+                (bench / split / label / f"{i}.txt").write_text(base * 100 + "\n")
+    cfg = _cfg(tuned, trained, data={"benchmark": str(bench), "validation_fraction": 0.3})
+    with pytest.raises(ConfigError, match="has 200 bases, more than the model's context 128"):
+        finetune.validate(finetune_config_from_dict(cfg), [])
+    cfg["data"]["max_len"] = 100
+    prepared = finetune.validate(finetune_config_from_dict(cfg), [])
+    assert {len(e.sequence) for e in prepared.data.splits["train"]} == {100}
+
+
+def test_cli_unknown_key_exits_2(tmp_path):
+    yaml = tmp_path / "ft.yaml"
+    yaml.write_text("model:\n  pretrained: runs/x\ntrain:\n  micro_batch: 4\n")
+    out = subprocess.run(
+        [PYTHON, "-m", "megagenome", "finetune", "--config", str(yaml)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2
+    assert "micro_batch" in out.stderr and f"{yaml}:4" in out.stderr, out.stderr
