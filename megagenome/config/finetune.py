@@ -108,8 +108,8 @@ class TaskTrainConfig:
     """Peak learning rate (AdamW)."""
     min_lr: float = 0.0
     """Learning rate at the end of the schedule."""
-    warmup_steps: int = 50
-    """Linear warmup steps."""
+    warmup_steps: int | None = None
+    """Linear warmup steps (default: 5% of --train.max_steps)."""
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     """Learning-rate schedule after warmup, down to min_lr at max_steps."""
     weight_decay: float = 0.01
@@ -222,7 +222,7 @@ def finetune_problems(cfg: FinetuneConfig) -> list[str]:
         out.append(f"--train.patience={t.patience} must be 0 (off) or more")
     if t.stop_at is not None and not 1 <= t.stop_at <= t.max_steps:
         out.append(f"--train.stop_at={t.stop_at} must be in 1..--train.max_steps={t.max_steps}")
-    if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
+    if t.warmup_steps is not None and not 0 <= t.warmup_steps <= t.max_steps:
         out.append(f"--train.warmup_steps={t.warmup_steps} must be in 0..--train.max_steps={t.max_steps}")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         out.append(f"--train.lr={t.lr} and --train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0")
@@ -233,6 +233,12 @@ def finetune_problems(cfg: FinetuneConfig) -> list[str]:
     if c.keep_last < 1:
         out.append(f"--checkpoint.keep_last={c.keep_last} must be at least 1")
     return out
+
+
+def warmup_steps(cfg: FinetuneConfig) -> int:
+    """--train.warmup_steps, or 5% of --train.max_steps when not given."""
+    t = cfg.train
+    return t.warmup_steps if t.warmup_steps is not None else t.max_steps // 20
 
 
 def finetune_dict(cfg: FinetuneConfig) -> dict:

@@ -35,7 +35,7 @@ import torch
 from megagenome.after_training.task_weights import BEST, TASK_RECORD
 from megagenome.after_training.weights import read_weights
 from megagenome.config import ConfigError, TrainConfig
-from megagenome.config.finetune import FinetuneConfig, finetune_dict, finetune_problems, metric_of
+from megagenome.config.finetune import FinetuneConfig, finetune_dict, finetune_problems, metric_of, warmup_steps
 from megagenome.config.load import locate
 from megagenome.data.task_batches import TrainBatches
 from megagenome.model import family_of
@@ -98,7 +98,7 @@ def train_config(cfg: FinetuneConfig) -> TrainConfig:
         max_steps=t.max_steps,
         lr=t.lr,
         min_lr=t.min_lr,
-        warmup_steps=t.warmup_steps,
+        warmup_steps=warmup_steps(cfg),
         schedule=t.schedule,
         weight_decay=t.weight_decay,
         grad_clip=t.grad_clip,
