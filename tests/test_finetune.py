@@ -137,6 +137,9 @@ def test_regression_and_per_base(tuned):
     assert record["target_std"] > 0 and 0.3 < record["target_mean"] < 0.6  # GC fractions of phiX174
     lines = (tuned / "per_base" / "predictions_validation.tsv").read_text().splitlines()
     assert lines[0] == "name\tlabels\tpredicted" and len(lines[1].split("\t")[1]) == 64
+    # LoRA under ZeRO-3: the adapters and the frozen weights come back from the partitions, merged.
+    weights = task_weights.read_task_run(str(tuned / "per_base"))
+    assert weights.record["lora"] and not any("lora" in k for k in weights.backbone)
 
 
 def test_tensorboard_and_report(tuned, tmp_path):

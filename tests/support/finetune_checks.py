@@ -9,7 +9,7 @@ chr17:1-40,000 piece, each base labelled "repeat" where the FASTA is lower case)
 Scenarios (fp32 unless named; micro 4 x 2 ranks, 6 steps, evaluation every 3, head dropout 0, patience 0):
 zero0..zero3; accum (micro 2 x accumulation 2); zero3_split (stop_at 4, then resumed in the same directory); lora
 (ZeRO-2 + bf16, LoRA); early (lr 1e-9, evaluation every step, patience 2: stops at step 3); regression (ZeRO-1);
-per_base (ZeRO-3).
+per_base (ZeRO-3, LoRA).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def scenarios(root: pathlib.Path, pretrained: str, paths: dict) -> list[tuple[st
     early = {"lr": 1e-9, "min_lr": 1e-9, "eval_interval": 1, "patience": 2}
     out.append(("early", config(root, "early", pretrained, species, ["zero0"], train=early)))
     out.append(("regression", config(root, "regression", pretrained, gc, ["zero1"])))
-    out.append(("per_base", config(root, "per_base", pretrained, per_base, ["zero3"])))
+    out.append(("per_base", config(root, "per_base", pretrained, per_base, ["zero3"], model={"lora": True})))
     return out
 
 
