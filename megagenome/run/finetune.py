@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import sys
 from dataclasses import dataclass
@@ -167,10 +168,12 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
 
     def save(step: int, state: EarlyStopping) -> None:
         client = {"step": step, "early_stopping": state.state(), "task_key": record["key"]}
-        keep = (state.best_step,) if state.best_step is not None else ()
-        checkpoint.save(engine, root, step, client, rank, keep_last, ds.barrier, gather=ds.all_gather_object, keep=keep)
-        if rank == 0 and state.best_step is not None:
-            write_json(os.path.join(cfg.log.run_dir, BEST), {"step": state.best_step, metric: state.best})
+        # Retention is this run's (_prune): checkpoint.save keeps everything, so the best one is never removed.
+        checkpoint.save(engine, root, step, client, rank, 10**9, ds.barrier, gather=ds.all_gather_object)
+        if rank == 0:
+            _prune(root, keep_last, state.best_step)
+            if state.best_step is not None:
+                write_json(os.path.join(cfg.log.run_dir, BEST), {"step": state.best_step, metric: state.best})
 
     stop_at = cfg.train.stop_at or cfg.train.max_steps
     plan = TaskPlan(
@@ -206,6 +209,13 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
         write_json(os.path.join(cfg.log.run_dir, "summary.json"), summary)
         _print_summary(cfg, summary)
     return summary
+
+
+def _prune(root: str, keep_last: int, best: int | None) -> None:
+    """Remove the complete checkpoints older than the keep_last newest, except the best one (rank 0)."""
+    for step, path in checkpoint.complete_tags(root)[:-keep_last]:
+        if step != best:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def build(p: Prepared, ds_conf: dict) -> TaskModel:

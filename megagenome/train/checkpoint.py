@@ -120,16 +120,7 @@ def resolve_verified(resume: str, root: str, level: str = "digest") -> tuple[str
 
 
 def save(
-    engine,
-    root: str,
-    step: int,
-    client_state: dict,
-    rank: int,
-    keep_last: int,
-    barrier,
-    layout=None,
-    gather=None,
-    keep: tuple[int, ...] = (),
+    engine, root: str, step: int, client_state: dict, rank: int, keep_last: int, barrier, layout=None, gather=None
 ) -> str:
     """Save a checkpoint for `step` on every rank, mark it complete with its manifest and prune old ones (rank 0).
     Returns the tag directory.
@@ -138,8 +129,7 @@ def save(
     layout is refused before DeepSpeed is asked to load, and convert-checkpoint knows what it converts. gather is an
     all_gather_object-style callable (train/engine.py all_gather_object) through which the ranks agree on the
     space check and on failures and share the hashing; None: a world of one (with several ranks, only `barrier`
-    synchronises them, and a failure on one rank cannot reach the others). keep: steps whose
-    checkpoints retention leaves alone besides the keep_last newest (a fine-tuning run's best one).
+    synchronises them, and a failure on one rank cannot reach the others).
 
     Before writing, SaveError if the filesystem lacks room for a checkpoint the size of the last complete one.
     A write that fails on any rank (ENOSPC, quota, I/O error) removes the partial tag directory, and only it, and
@@ -161,7 +151,7 @@ def save(
     rels = integrity.list_files(path)
     mine = integrity.hash_files(path, rels[rank::world], strict=False) if world > 1 or rank == 0 else {}
     shares = share(mine)
-    failure = _mark_complete(path, step, rels, shares, root, keep_last, keep) if rank == 0 else None
+    failure = _mark_complete(path, step, rels, shares, root, keep_last) if rank == 0 else None
     _agree_or_abandon(share(failure), path, rank, barrier)
     return path
 
@@ -195,9 +185,7 @@ def _write_tag(engine, root: str, tag: str, client_state: dict, rank: int, info:
     return failure
 
 
-def _mark_complete(
-    path: str, step: int, rels: list[str], shares: list[dict], root: str, keep_last: int, keep: tuple[int, ...] = ()
-):
+def _mark_complete(path: str, step: int, rels: list[str], shares: list[dict], root: str, keep_last: int):
     """Rank 0: the manifest from every rank's hashes (what another rank missed hashed here), the COMPLETE marker,
     then retention. Returns None, or the failure (integrity.write_failure)."""
     try:
@@ -208,9 +196,8 @@ def _mark_complete(
         integrity.write_marker(path, step, files)
     except Exception as e:  # the marker could not be written: the checkpoint is not complete
         return integrity.write_failure(0, e, root)
-    for old_step, old in complete_tags(root)[:-keep_last]:
-        if old_step not in keep:
-            shutil.rmtree(old, ignore_errors=True)
+    for _, old in complete_tags(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
     return None
 
 
