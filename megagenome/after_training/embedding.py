@@ -14,7 +14,8 @@ block i, -1 the final norm's output (what the LM head reads; the default). One f
 
 Pooling (--pool), per layer, in float32: `mean` over the window's bases, (N, d_model); `centre` the hidden state at
 one position, (N, d_model): the variant's first base for a VCF row, else index length // 2; `per_base` every
-position, (N, window, d_model), zero past a row's length.
+position, (N, window, d_model), zero past a row's length. (score-variants --supervised pools with SPAN: the mean over
+a stretch of bases around the variant, embed_batch.)
 
 Output. --output FILE.safetensors holds `layer_<i>` per layer i >= 0 and `final_norm` for -1, and `lengths` (N,)
 int64 (each row's bases); its metadata (str -> str, each value but `format` JSON): format, model (the checkpoint or
@@ -59,7 +60,7 @@ from megagenome.after_training.inference import (
     read_stretches,
     start_world,
 )
-from megagenome.after_training.variant_scoring import skip_reason, variant_windows
+from megagenome.after_training.variant_windows import skip_reason, variant_windows
 from megagenome.data.bed import BedError, read_features
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import TokenizerError, encode
@@ -71,6 +72,7 @@ from megagenome.train.consolidate import CheckpointError
 PROG = "megagenome embed"
 FORMAT = "megagenome-embeddings"
 POOLS = ("mean", "centre", "per_base")
+SPAN = "span"  # the mean over `span` bases around the centre: score-variants --supervised's pooling, not embed's
 COLUMNS = ["row", "name", "contig", "start", "end"]
 VARIANT_COLUMNS = ["id", "pos", "ref", "alt", "allele", "variant_index"]
 
@@ -169,17 +171,27 @@ def make_rows(genome: Genome, inputs: list, window: int) -> tuple[list[Row], lis
 
 
 @torch.no_grad()
-def embed_batch(loaded: Loaded, rows: list[Row], layers: list[int], pool: str, window: int) -> dict[int, torch.Tensor]:
-    """{layer: pooled float32 states on CPU} of one batch: (B, d_model), or (B, window, d_model) for per_base."""
+def embed_batch(
+    loaded: Loaded, rows: list[Row], layers: list[int], pool: str, window: int, span: int | None = None
+) -> dict[int, torch.Tensor]:
+    """{layer: pooled float32 states on CPU} of one batch: (B, d_model), or (B, window, d_model) for per_base.
+    `pool` is one of POOLS, or SPAN: the mean over the `span` bases starting span // 2 before each row's centre,
+    clipped to the row (score-variants --supervised's features)."""
     tokens, lengths = pad_batch([torch.from_numpy(r.tokens.astype(np.int64)) for r in rows], loaded.device)
     lengths = lengths.to(tokens.device)
-    valid = (torch.arange(tokens.size(1), device=tokens.device)[None] < lengths[:, None])[..., None]  # (B, T, 1)
+    positions = torch.arange(tokens.size(1), device=tokens.device)[None]  # (1, T)
+    valid = (positions < lengths[:, None])[..., None]  # (B, T, 1)
     centres = torch.tensor([r.centre for r in rows], device=tokens.device)  # (B,)
+    if pool == SPAN:
+        first = centres[:, None] - span // 2  # (B, 1)
+        valid = valid & ((positions >= first) & (positions < first + span))[..., None]
     out = {}
     for layer, x in loaded.model.layer_states(tokens, layers).items():
-        x = x.float() * valid  # (B, T, d_model), zero past each row's length
+        x = x.float() * valid  # (B, T, d_model), zero past each row's length (or outside its span)
         if pool == "mean":
             pooled = x.sum(1) / lengths[:, None]  # (B, d_model)
+        elif pool == SPAN:
+            pooled = x.sum(1) / valid.sum(1)  # (B, d_model): over the span's bases inside the row
         elif pool == "centre":
             pooled = x[torch.arange(len(rows), device=x.device), centres]  # (B, d_model)
         else:
@@ -189,23 +201,32 @@ def embed_batch(loaded: Loaded, rows: list[Row], layers: list[int], pool: str, w
 
 
 def embed_rows(
-    loaded: Loaded, rows: list[Row], opts: Options, window: int, world: World
+    loaded: Loaded,
+    rows: list[Row],
+    layers: list[int],
+    pool: str,
+    window: int,
+    world: World,
+    batch_size: int = 16,
+    progress: bool = True,
+    span: int | None = None,
+    desc: str = "embed",
 ) -> dict[int, torch.Tensor] | None:
     """{layer: (N, d_model) or (N, window, d_model)} of every row on rank 0 (None on the others, which hold only their
-    share): this rank's share of the batches, gathered to rank 0 and put back in batch order. Collective under a
-    launcher."""
+    share): this rank's share of the batches (embed_batch), gathered to rank 0 and put back in batch order.
+    Collective under a launcher."""
     from tqdm import tqdm
 
-    batches = make_batches(rows, opts.batch_size)
-    shown = opts.progress and world.main
+    batches = make_batches(rows, batch_size)
+    shown = progress and world.main
     mine = []
-    for idx in tqdm(world.mine(batches), desc="embed", unit="batch", disable=not shown, file=sys.stderr):
-        mine.append(embed_batch(loaded, [rows[i] for i in idx], opts.layers, opts.pool, window))
+    for idx in tqdm(world.mine(batches), desc=desc, unit="batch", disable=not shown, file=sys.stderr):
+        mine.append(embed_batch(loaded, [rows[i] for i in idx], layers, pool, window, span))
     gathered = world.gather_to_main(mine)
     if gathered is None:
         return None
     ordered = interleave(gathered)
-    return {layer: torch.cat([batch[layer] for batch in ordered]) for layer in opts.layers}
+    return {layer: torch.cat([batch[layer] for batch in ordered]) for layer in layers}
 
 
 def tensor_name(layer: int) -> str:
@@ -260,7 +281,7 @@ def run(opts: Options, world: World | None = None) -> dict:
     if not rows:
         raise EmbedError(f"nothing to embed: {skipped[0] if skipped else 'no rows'} ({len(skipped)} ALTs skipped)")
     started = time.perf_counter()
-    states = embed_rows(loaded, rows, opts, window, world)
+    states = embed_rows(loaded, rows, opts.layers, opts.pool, window, world, opts.batch_size, opts.progress)
     seconds = time.perf_counter() - started
     summary = {
         "model": loaded.source,

@@ -25,6 +25,10 @@ batches are dealt round-robin over ranks and the results gathered, so the scores
 AUROC (--label_field, --positive): of -score for ALTs whose label is in --positive against every other labelled ALT
 (unlabelled ones are left out), by the Mann-Whitney rank formula with ties at half; 95% interval from a stratified
 bootstrap (positives and negatives resampled apart, --bootstrap times, numpy default_rng(--seed)), percentiles.
+
+--supervised adds a second score, the out-of-fold probability of the positive class from a classifier on the model's
+embeddings of the REF and ALT windows, cross-validated in position blocks (INFO --supervised_info_field, TSV columns
+`supervised` and `fold`, its AUROC beside the zero-shot one); --subset_field, AUROCs within subsets: supervised_vep.py.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from megagenome.after_training import supervised_vep
 from megagenome.after_training.auroc import auroc, bootstrap_interval
 from megagenome.after_training.inference import (
     Loaded,
@@ -53,6 +58,7 @@ from megagenome.after_training.inference import (
     pad_batch,
     start_world,
 )
+from megagenome.after_training.variant_windows import CHUNK, ScoreError, skip_reason, variant_windows
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import MASK_ID, TokenizerError, encode, reverse_complement
 from megagenome.data.variants import VariantError
@@ -60,12 +66,7 @@ from megagenome.data.vcf_scores import Site, check_refs, labelled_alts, read_sit
 from megagenome.train.consolidate import CheckpointError
 
 PROG = "megagenome score-variants"
-CHUNK = 4096  # ALT alleles per round of batches: bounds the windows held at once; fixed, so any world size agrees
 OUTPUT_SUFFIXES = (".vcf", ".vcf.gz", ".vcf.bgz", ".bcf")
-
-
-class ScoreError(ValueError):
-    """Bad input to `megagenome score-variants`; the message names the flag or the file and line."""
 
 
 @dataclass
@@ -90,23 +91,18 @@ class Options:
     summary_json: str | None = None
     overwrite: bool = False
     progress: bool = True
+    supervised: bool = False  # supervised_vep.py; None below: the default, given only with --supervised
+    embed_layers: list[int] | None = None
+    embed_window: int | None = None
+    classifier: str | None = None
+    cv_folds: int | None = None
+    block_size: int | None = None
+    supervised_info_field: str = "MG_SUPERVISED"
+    subset_field: str | None = None
+    subset_groups: list[str] = field(default_factory=list)
 
 
 # ----- windows and what to compute for each ALT -------------------------------------------------------------------
-
-
-def variant_windows(fetch, contig_len: int, pos: int, ref: str, alt: str, window: int) -> tuple[bytes, bytes, int]:
-    """(REF window, ALT window, the variant's index in both) for a variant at 0-based `pos`; `fetch(start, end)` gives
-    the contig's bases. Both windows are `window` long where the contig allows (see the module docstring)."""
-    lr, la = len(ref), len(alt)
-    lo = max(0, pos + max(lr, la) - window)  # both alleles inside
-    hi = min(pos, contig_len - window - max(0, lr - la))  # both windows full length
-    start = min(max(pos - window // 2, lo), hi) if lo <= hi else lo  # else: as much context as fits
-    left = fetch(start, pos)
-    ref_window = fetch(start, min(contig_len, start + window))
-    tail = pos + lr
-    right = fetch(tail, min(contig_len, tail + max(0, window - len(left) - la)))
-    return ref_window, left + alt.upper().encode("ascii") + right, pos - start
 
 
 @dataclass(frozen=True)
@@ -211,16 +207,6 @@ def combine(terms: list[Term], results: list) -> float:
 # ----- scoring a VCF ------------------------------------------------------------------------------------------------
 
 
-def skip_reason(site: Site, alt: int, window: int) -> str:
-    """Why an ALT is not scored, or ''."""
-    if site.unscorable[alt]:
-        return site.unscorable[alt]
-    longest, limit = max(len(site.ref), len(site.alts[alt])), window - window // 2  # the variant starts at window // 2
-    if longest > limit:
-        return f"an allele of {longest} bp does not fit --window {window} (at most {limit} bp)"
-    return ""
-
-
 def score_sites(loaded: Loaded, genome: Genome, sites: list[Site], window: int, opts: Options, world: World) -> list:
     """Per record, per ALT: the score, or None for a skipped ALT. Collective under a launcher."""
     from tqdm import tqdm
@@ -295,6 +281,7 @@ def check_options(opts: Options) -> None:
         raise ScoreError(
             "--label_field (the INFO field of the labels) and --positive (their positive values) go together"
         )
+    supervised_vep.check_flags(opts)
     outputs = {"--output": opts.output, "--tsv": tsv_path(opts), "--summary_json": opts.summary_json}
     paths = [os.path.abspath(p) for p in outputs.values() if p]
     if len(set(paths)) < len(paths) or os.path.abspath(opts.vcf) in paths:
@@ -324,14 +311,18 @@ def run(opts: Options, world: World | None = None) -> dict:
     check_options(opts)
     world = world or start_world()
     with Genome(opts.fasta) as genome:
-        sites = read_sites(opts.vcf, genome.lengths, opts.label_field)
+        sites = read_sites(opts.vcf, genome.lengths, opts.label_field, opts.subset_field)
         check_refs(genome, sites)
         check_labels(sites, opts)
         loaded = load_model(opts.run, opts.step, opts.dtype)
         window = choose_window(loaded, opts.window, ScoreError)
+        plan = supervised_vep.prepare(opts, sites, window, loaded.model_cfg.n_layer) if opts.supervised else None
         started = time.perf_counter()
         scores = score_sites(loaded, genome, sites, window, opts, world)
         seconds = time.perf_counter() - started
+        sup, sup_scores, folds = (None,) * 3
+        if plan:
+            sup, sup_scores, folds = supervised_vep.run(plan, loaded, genome, sites, window, scores, opts, world)
         lengths = {s.chrom: genome.lengths[s.chrom] for s in sites}
     missing = [(s, a) for s, row in zip(sites, scores) for a, v in enumerate(row) if v is None]
     skipped = [f"{s.where}: ALT {s.alts[a]}: {skip_reason(s, a, window)}" for s, a in missing]
@@ -355,21 +346,28 @@ def run(opts: Options, world: World | None = None) -> dict:
         "variants_per_s": round(n_scored / max(seconds, 1e-9), 2),
         "outputs": {"vcf": opts.output, "tsv": tsv_path(opts), "summary_json": opts.summary_json},
         "evaluation": evaluate_labels(sites, scores, opts) if opts.label_field else None,
+        "supervised": sup,
+        "subsets": None,
     }
+    if opts.subset_field and world.main:  # the supervised scores are rank 0's
+        summary["subsets"] = supervised_vep.evaluate_subsets(sites, scores, sup_scores, opts)
     if world.main:
-        write_outputs(opts, sites, scores, loaded.causal, lengths, summary)
+        write_outputs(opts, sites, scores, loaded.causal, lengths, summary, (sup_scores, folds))
     return summary
 
 
-def write_outputs(opts: Options, sites: list[Site], scores, causal: bool, lengths: dict, summary: dict) -> None:
-    """The scored VCF, the TSV and the JSON summary, each through a temporary file renamed when complete."""
+def write_outputs(opts: Options, sites, scores, causal: bool, lengths: dict, summary: dict, supervised) -> None:
+    """The scored VCF, the TSV and the JSON summary, each through a temporary file renamed when complete;
+    `supervised` is (the supervised score, the fold) per record per ALT, or Nones."""
     for path in (opts.output, tsv_path(opts), opts.summary_json):
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     what = "log-likelihood ratio ALT vs REF" + (", mean of both strands" if opts.reverse_complement else "")
     description = f"{PROG}: {what}; {summary['window']} bp windows; model {summary['model']}"
-    write_scored(opts.vcf, opts.output, scores, opts.info_field, description, lengths)
-    write_tsv(tsv_path(opts), sites, scores, lambda s, a: method(causal, s.ref, s.alts[a]), bool(opts.label_field))
+    more, extra = supervised_vep.outputs(summary, opts, *supervised)
+    write_scored(opts.vcf, opts.output, scores, opts.info_field, description, lengths, more)
+    how = lambda s, a: method(causal, s.ref, s.alts[a])  # noqa: E731
+    write_tsv(tsv_path(opts), sites, scores, how, bool(opts.label_field), extra)
     if opts.summary_json:
         write_text(opts.summary_json, json.dumps(summary, indent=2) + "\n")
 
@@ -392,6 +390,7 @@ def report(summary: dict) -> str:
             f"positive vs {ev['n_negative']:,} negative; lower score = predicted damaging; {ev['n_unlabelled']:,} "
             f"unlabelled left out)"
         )
+    lines += supervised_vep.report_lines(summary)
     out = summary["outputs"]
     lines.append("wrote " + ", ".join(p for p in out.values() if p))
     return "\n".join(lines)

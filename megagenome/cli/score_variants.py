@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from jsonargparse import ArgumentParser
 
 from .args import Parsed, model_source
 
-HELP = "Score the variants of a VCF with a trained model (and AUROC for labelled ones)."
+HELP = "Score the variants of a VCF with a trained model (AUROC for labelled ones; --supervised: a classifier too)."
 
 
 def parser() -> ArgumentParser:
@@ -18,7 +20,8 @@ def parser() -> ArgumentParser:
         "VCF (an INFO field, Number=A) and a TSV. Causal models: log-likelihood of a window centred on the variant "
         "with the ALT minus with the REF (Evo 2). Masked models: masked-marginal log p(ALT) - log p(REF) at the masked "
         "variant bases (GPN); indels: the windows' pseudo-log-likelihood difference. Lower = predicted damaging. "
-        "With --label_field, AUROC (95% bootstrap interval) of the labelled variants. Runs in one process or under "
+        "With --label_field, AUROC (95% bootstrap interval) of the labelled variants; with --supervised, also a "
+        "classifier's cross-validated score on the model's embeddings. Runs in one process or under "
         "the deepspeed launcher (batches split over ranks; the same scores). Exit status 2 on bad input, with "
         "nothing written.",
     )
@@ -60,8 +63,75 @@ def parser() -> ArgumentParser:
     parser.add_argument("--info_field", type=str, default="MG_SCORE", help="INFO key of the score (Number=A, Float).")
     parser.add_argument("--summary_json", type=str | None, default=None, help="Also write the summary as JSON here.")
     parser.add_argument("--overwrite", action="store_true", help="Replace outputs that exist (refused otherwise).")
+    supervised(parser)
     parser.add_argument("--progress", type=bool, default=True, help="Show a progress bar (rank 0).")
     return parser
+
+
+def supervised(parser: ArgumentParser) -> None:
+    """The flags of --supervised and of --subset_field (after_training/supervised_vep.py)."""
+    parser.add_argument(
+        "--supervised",
+        action="store_true",
+        help="Also a supervised score: a classifier on the model's embeddings of each labelled variant's REF and ALT "
+        "windows ([REF, ALT] means over --embed_window bases at the variant, per layer), cross-validated in folds "
+        "of position blocks; each labelled variant gets the out-of-fold probability of --positive (higher = "
+        "predicted positive), written to INFO --supervised_info_field and the TSV's `supervised` and `fold` "
+        "columns, with its AUROC and per-fold AUROCs beside the zero-shot ones. Needs --label_field and --positive.",
+    )
+    parser.add_argument(
+        "--embed_layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="With --supervised: layers whose embeddings are the features (0 the embedding output, i the output of "
+        "block i, -1 the final norm). Default: the middle block (n_layer // 2, at least 1) and -1.",
+    )
+    parser.add_argument(
+        "--embed_window",
+        type=int | None,
+        default=None,
+        help="With --supervised: bases around the variant each window's embeddings are averaged over, from "
+        "embed_window // 2 before it (default 128, at most --window).",
+    )
+    parser.add_argument(
+        "--classifier",
+        type=Literal["logistic", "gradient_boosting"] | None,
+        default=None,
+        help="With --supervised: logistic (standardized features, L2 logistic regression, balanced class weights; "
+        "the default) or gradient_boosting (histogram gradient boosting); both seeded by --seed.",
+    )
+    parser.add_argument(
+        "--cv_folds", type=int | None, default=None, help="With --supervised: cross-validation folds (default 5)."
+    )
+    parser.add_argument(
+        "--block_size",
+        type=int | None,
+        default=None,
+        help="With --supervised: bases per position block (default 100); a block's variants, grouped by (contig, "
+        "0-based position // block_size), are never split between a fold's training and test parts.",
+    )
+    parser.add_argument(
+        "--supervised_info_field",
+        type=str,
+        default="MG_SUPERVISED",
+        help="INFO key of the supervised score (Number=A, Float).",
+    )
+    parser.add_argument(
+        "--subset_field",
+        type=str | None,
+        default=None,
+        help="INFO field (e.g. CSQ) whose values split the labelled variants into subsets: AUROCs of the zero-shot "
+        "(and supervised) score within each. Needs --label_field and --positive.",
+    )
+    parser.add_argument(
+        "--subset_groups",
+        type=str,
+        nargs="*",
+        default=[],
+        help="With --subset_field: named groups of its values instead of one subset per value, NAME=V1,V2 (e.g. "
+        "coding=Missense,Synonymous,Nonsense 'noncoding=*'; `*`: every value no other group names).",
+    )
 
 
 def main(parsed: Parsed) -> int:

@@ -3,14 +3,14 @@
 `read_sites` reads every record once (pysam, as data/variants.py does: plain, BGZF or gzip VCF, or BCF), with the
 checks that must pass before any model runs: each CHROM is a FASTA contig (else the error names the VCF line and
 lists the FASTA's contigs), a declared contig length matches the FASTA, REF is a nucleotide sequence inside the
-contig, and a label field (for AUROC) is declared; `check_refs` then compares every REF with the FASTA. ALTs that
-are not sequence (symbolic `<DEL>`, breakends, `*`) are kept with their reason, to be skipped rather than refused: a
-multi-allelic record may hold one next to scorable ones.
+contig, and a label field (for AUROC) and a subset field (AUROCs within subsets) are declared; `check_refs` then
+compares every REF with the FASTA. ALTs that are not sequence (symbolic `<DEL>`, breakends, `*`) are kept with
+their reason, to be skipped rather than refused: a multi-allelic record may hold one next to scorable ones.
 
 `write_scored` writes the input's records unchanged plus one INFO field, Number=A Type=Float (`.` for an ALT that
-was not scored), to a temporary file that replaces the output only when complete. Text, BGZF (`.gz`, `.bgz`) or
-BCF (`.bcf`) by the output's suffix. Line numbers come from data/variants.py's `_Locator` (text VCF: header lines
-plus the record's index plus one; BCF: the record's ordinal).
+was not scored), or more (score-variants --supervised's second score), to a temporary file that replaces the output
+only when complete. Text, BGZF (`.gz`, `.bgz`) or BCF (`.bcf`) by the output's suffix. Line numbers come from
+data/variants.py's `_Locator` (text VCF: header lines plus the record's index plus one; BCF: the record's ordinal).
 """
 
 from __future__ import annotations
@@ -41,19 +41,25 @@ class Site:
     alts: tuple[str, ...]
     labels: tuple[str | None, ...]
     unscorable: tuple[str, ...]
+    subsets: tuple[str | None, ...] = ()  # per ALT: its value of the subset field (None: missing); () when not read
 
 
-def read_sites(vcf_path: str, contig_lengths: Mapping[str, int], label_field: str | None = None) -> list[Site]:
-    """Every record of the VCF as a Site, checked against the FASTA's contigs (see the module docstring)."""
+def read_sites(
+    vcf_path: str, contig_lengths: Mapping[str, int], label_field: str | None = None, subset_field: str | None = None
+) -> list[Site]:
+    """Every record of the VCF as a Site, checked against the FASTA's contigs (see the module docstring); with
+    `subset_field`, each ALT's value of that INFO field (read as labels are) in Site.subsets."""
     vcf_path = os.fspath(vcf_path)
     if not os.path.isfile(vcf_path):
         raise VariantError(f"{vcf_path}: VCF file not found")
     with _open(vcf_path) as (vf, where):
-        if label_field is not None and label_field not in vf.header.info:
-            declared = _known(list(vf.header.info)) or "none"
-            raise VariantError(f"{vcf_path}: --label_field {label_field}: no such INFO field (declared: {declared})")
+        for flag, name in (("--label_field", label_field), ("--subset_field", subset_field)):
+            if name is not None and name not in vf.header.info:
+                declared = _known(list(vf.header.info)) or "none"
+                raise VariantError(f"{vcf_path}: {flag} {name}: no such INFO field (declared: {declared})")
         return [
-            _site(vf, rec, index, where, contig_lengths, label_field) for index, rec in _records(vf, where, vcf_path)
+            _site(vf, rec, index, where, contig_lengths, label_field, subset_field)
+            for index, rec in _records(vf, where, vcf_path)
         ]
 
 
@@ -100,6 +106,7 @@ def _site(
     where: _Locator,
     contig_lengths: Mapping[str, int],
     label_field: str | None,
+    subset_field: str | None = None,
 ) -> Site:
     at = f"{where(index)}: {rec.chrom}:{rec.pos}"
     if rec.chrom not in contig_lengths:
@@ -120,7 +127,8 @@ def _site(
     alts = tuple(rec.alts or ())
     unscorable = tuple(_allele_problem(alt) for alt in alts)
     labels = _labels(vf, rec, label_field, len(alts)) if label_field else (None,) * len(alts)
-    return Site(index, where(index), rec.chrom, rec.start, rec.id or ".", rec.ref, alts, labels, unscorable)
+    subsets = _labels(vf, rec, subset_field, len(alts)) if subset_field else ()
+    return Site(index, where(index), rec.chrom, rec.start, rec.id or ".", rec.ref, alts, labels, unscorable, subsets)
 
 
 def check_refs(genome: Genome, sites: Sequence[Site]) -> None:
@@ -160,19 +168,21 @@ def write_scored(
     info_field: str,
     description: str,
     contig_lengths: Mapping[str, int],
+    more: Sequence[tuple[str, Sequence[Sequence[float | None]], str, str]] = (),
 ) -> None:
-    """The input VCF with INFO `info_field` (Number=A, Float) holding scores[record][alt] (None: `.`), written to a
-    temporary file beside `out_path` and renamed over it when complete. CHROMs the header does not declare are added
-    as contig lines with the FASTA's lengths, and END (which pysam writes for symbolic ALTs) when undeclared."""
+    """The input VCF with INFO `info_field` (Number=A, Float) holding scores[record][alt] (None: `.`), and a field
+    per (field, scores, description, flag naming it) of `more`, written to a temporary file beside `out_path` and
+    renamed over it when complete. CHROMs the header does not declare are added as contig lines with the FASTA's
+    lengths, and END (which pysam writes for symbolic ALTs) when undeclared."""
     out_path = os.fspath(out_path)
     mode = "wz" if out_path.endswith((".gz", ".bgz")) else "wb" if out_path.endswith(".bcf") else "w"
+    fields = [(info_field, scores, description, "--info_field"), *more]
     with _open(os.fspath(vcf_path)) as (vf, _):
         header = vf.header  # extended before any record is read, so records parse against it as they are
-        if info_field in header.info:
-            raise VariantError(f"{vcf_path}: the VCF already has an INFO field {info_field}; choose --info_field")
-        header.add_meta(
-            "INFO", items=[("ID", info_field), ("Number", "A"), ("Type", "Float"), ("Description", description)]
-        )
+        for name, _values, text, flag in fields:
+            if name in header.info:
+                raise VariantError(f"{vcf_path}: the VCF already has an INFO field {name}; choose {flag}")
+            header.add_meta("INFO", items=[("ID", name), ("Number", "A"), ("Type", "Float"), ("Description", text)])
         if "END" not in header.info:  # pysam writes END for symbolic ALTs (<DEL>) once a record's INFO is set
             header.add_meta(
                 "INFO", items=[("ID", "END"), ("Number", "1"), ("Type", "Integer"), ("Description", "End position")]
@@ -184,9 +194,10 @@ def write_scored(
         os.close(fd)
         try:
             with pysam.VariantFile(tmp, mode, header=header) as out:
-                for rec, values in zip(vf, scores, strict=True):
+                for rec, *values in zip(vf, *(f[1] for f in fields), strict=True):
                     if rec.alts:
-                        rec.info[info_field] = tuple(values)
+                        for (name, *_), per_alt in zip(fields, values):
+                            rec.info[name] = tuple(per_alt)
                     out.write(rec)
             os.replace(tmp, out_path)
         finally:
@@ -200,16 +211,25 @@ def labelled_alts(sites: Sequence[Site], positives: Sequence[str]) -> list[tuple
     return [(i, a, lab in wanted) for i, s in enumerate(sites) for a, lab in enumerate(s.labels) if lab is not None]
 
 
-def write_tsv(path: str, sites: Sequence[Site], scores: Sequence[Sequence[float | None]], method, labels: bool) -> None:
+def write_tsv(
+    path: str,
+    sites: Sequence[Site],
+    scores: Sequence[Sequence[float | None]],
+    method,
+    labels: bool,
+    extra: Mapping[str, Sequence[Sequence[str]]] | None = None,
+) -> None:
     """One row per ALT: chrom, pos (1-based), id, ref, alt, method (`method(site, alt)`, or "skipped"), score ("NA"
-    when skipped; 8 significant digits) and, with `labels`, the label ("NA" when missing)."""
-    columns = ["chrom", "pos", "id", "ref", "alt", "method", "score"] + (["label"] if labels else [])
+    when skipped; 8 significant digits), with `labels` the label ("NA" when missing), then a column per entry of
+    `extra` (name -> per record, per ALT, the cell's text)."""
+    extra = extra or {}
+    columns = ["chrom", "pos", "id", "ref", "alt", "method", "score"] + (["label"] if labels else []) + list(extra)
     rows = []
-    for s, row in zip(sites, scores):
+    for i, (s, row) in enumerate(zip(sites, scores)):
         for a, score in enumerate(row):
             how = "skipped" if score is None else method(s, a)
             cells = [s.chrom, s.pos + 1, s.id, s.ref, s.alts[a], how, "NA" if score is None else f"{score:.8g}"]
-            rows.append(cells + ([s.labels[a] or "NA"] if labels else []))
+            rows.append(cells + ([s.labels[a] or "NA"] if labels else []) + [col[i][a] for col in extra.values()])
     write_text(path, "".join("\t".join(map(str, row)) + "\n" for row in [columns, *rows]))
 
 
