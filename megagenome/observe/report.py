@@ -163,6 +163,19 @@ def figure(plot: Plot, records: RunRecords):
     return fig
 
 
+def draw(plots, records: RunRecords, out: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Each plot's PNG written into `out`: ({name: file name} drawn, {name: why not} skipped)."""
+    drawn, skipped = {}, {}
+    for plot in plots:
+        fig = figure(plot, records)
+        if isinstance(fig, str):
+            skipped[plot.name] = fig
+        else:
+            fig.savefig(os.path.join(out, f"{plot.name}.png"))
+            drawn[plot.name] = f"{plot.name}.png"
+    return drawn, skipped
+
+
 def _draw_baselines(ax, records: RunRecords) -> None:
     """summary.json's order-k Markov baselines as horizontal lines: dashed, coloured by order, the best one solid
     red; the legend lists them by order k (0, 1, 2, ...), whatever their values."""
@@ -294,14 +307,7 @@ def report(run_dir: str, output: str | None = None) -> dict:
     records = load(run_dir)
     out = output or os.path.join(run_dir, "report")
     os.makedirs(out, exist_ok=True)
-    drawn, skipped = {}, {}
-    for plot in PLOTS:
-        fig = figure(plot, records)
-        if isinstance(fig, str):
-            skipped[plot.name] = fig
-        else:
-            fig.savefig(os.path.join(out, f"{plot.name}.png"))
-            drawn[plot.name] = f"{plot.name}.png"
+    drawn, skipped = draw(PLOTS, records, out)
     path = os.path.join(out, "report.md")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(markdown(records, drawn, skipped))

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from megagenome.observe.report import Plot, ReportError, RunRecords, figure, load
+from megagenome.observe.report import Plot, ReportError, RunRecords, draw, load
 
 METRICS = {
     "classification": ("accuracy", "mcc", "auroc"),
@@ -44,14 +44,7 @@ def report(records: RunRecords, out: str) -> dict:
     """Write the PNGs and report.md of a fine-tuning run's records into `out`; report.py's result dict."""
     with open(os.path.join(records.run_dir, "task.json"), encoding="utf-8") as fh:
         task = json.load(fh)
-    drawn, skipped = {}, {}
-    for plot in plots(task["task"]):
-        fig = figure(plot, records)
-        if isinstance(fig, str):
-            skipped[plot.name] = fig
-        else:
-            fig.savefig(os.path.join(out, f"{plot.name}.png"))
-            drawn[plot.name] = f"{plot.name}.png"
+    drawn, skipped = draw(plots(task["task"]), records, out)
     path = os.path.join(out, "report.md")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(markdown(records, task, drawn, skipped))
