@@ -30,8 +30,6 @@ setup(
         "tensorboard==2.21.0",  # event files beside metrics.jsonl (torch.utils.tensorboard writes through it)
         "matplotlib==3.10.9",  # `megagenome report` draws its PNGs
         "torchao==0.18.0",  # `megagenome export --quantize int8`: PyTorch's maintained quantization (quantize.py)
-        # `megagenome finetune --model.lora`: Hugging Face's LoRA adapters on any torch module, merged back on export.
-        "peft==0.21.2",
         # Supervised variant-effect prediction (score-variants --supervised: logistic regression / gradient boosting,
         # grouped cross-validation) and the task metrics of `finetune` (MCC, AUROC; Spearman through its scipy).
         "scikit-learn==1.9.1",
@@ -41,7 +39,8 @@ setup(
         "gpu": ["flash-attn==2.8.3.post2"],
         # Everything a test imports, so that `pytest` runs every test on CPU (tests/test_readme.py checks it):
         # transformers (exports loaded with AutoModelForCausalLM/AutoTokenizer, the docs' generate example, the
-        # peers' Llama) and wandb (--log.wandb's offline files). Only bitsandbytes' CUDA client is left to GPUs.
+        # peers' Llama), wandb (--log.wandb's offline files) and peft (finetune --model.lora). Only bitsandbytes'
+        # CUDA client is left to GPUs.
         # mkdocs and mkdocs-material as in the docs extra: tests/test_docs_site.py builds the site with --strict.
         # einops: what stripedhyena 0.2.2 (tests/test_hyena_oracle.py's oracle) imports; the README's test command
         # installs stripedhyena itself with --no-deps, since it declares flash-attn, which needs CUDA to build.
@@ -53,7 +52,11 @@ setup(
             "wandb==0.31.0",
             "mkdocs==1.6.1",
             "mkdocs-material==9.8.1",
+            "peft==0.21.2",
         ],
+        # `megagenome finetune --model.lora true`: Hugging Face's LoRA adapters on any torch module, merged back on
+        # export (model/lora.py). An extra, since peft brings transformers, which the package itself never needs.
+        "lora": ["peft==0.21.2"],
         # Loading an export with Hugging Face transformers (AutoModelForCausalLM, AutoTokenizer: the docs' example);
         # exporting needs none of it (megagenome writes the files itself).
         "hf": ["transformers==5.24.0"],

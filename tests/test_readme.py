@@ -61,18 +61,26 @@ def test_every_readme_command_is_mapped_and_the_cluster_launches_are_checked():
 
 def test_each_example_runs_in_the_install_its_page_states():
     """Command 1 (`-e .`) for every example unless an extra's install line stands above it on its page; the
-    transformers example has the hf extra's line, and nothing else needs one."""
+    transformers example has the hf extra's line, the fine-tuning page's LoRA example the lora extra's (peft), and
+    nothing else needs one."""
     steps, _ = mapped_steps()
     hf_block = next(s for s in steps if s["kind"] == "python" and "transformers" in s["code"])
     assert hf_block["install"] == ["hf"], hf_block["install"]
     line = next(s for s in steps if s["rule"].startswith("install: the hf extra") and s["page"] == hf_block["page"])
     assert line["line"] < hf_block["line"] and line["argv"] == [], line  # above it; setup.py has the extra
-    for s in steps:  # before the extra's line, and on every other page: command 1's install
-        if s["page"] != hf_block["page"] or s["line"] < line["line"]:
-            assert s["install"] == [], (s["page"], s["line"], s["install"])
-    base, hf = set(hidden_modules(())), set(hidden_modules(("hf",)))
-    assert {"transformers", "pytest", "_pytest", "ruff", "wandb", "mkdocs", "material"} <= base, sorted(base)
+    lora_block = next(s for s in steps if "--model.lora" in " ".join(s.get("argv") or []))
+    assert lora_block["install"] == ["lora"], lora_block["install"]
+    lora_line = next(s for s in steps if s["rule"].startswith("install: the lora extra"))
+    assert lora_line["page"] == lora_block["page"] and lora_line["line"] < lora_block["line"], lora_line
+    extra_from = {hf_block["page"]: (line["line"], ["hf"]), lora_block["page"]: (lora_line["line"], ["lora"])}
+    for s in steps:  # before an extra's line, and on every other page: command 1's install
+        start, extra = extra_from.get(s["page"], (None, []))
+        want = extra if start is not None and s["line"] >= start else []
+        assert s["install"] == want, (s["page"], s["line"], s["install"])
+    base, hf, lora = (set(hidden_modules(e)) for e in ((), ("hf",), ("lora",)))
+    assert {"transformers", "peft", "pytest", "_pytest", "ruff", "wandb", "mkdocs", "material"} <= base, sorted(base)
     assert "transformers" not in hf and {"pytest", "wandb", "mkdocs"} <= hf
+    assert not {"peft", "transformers"} & lora and {"pytest", "wandb"} <= lora  # peft brings transformers
     assert not OWN & (base | hf) and "megagenome" in provided(())
 
 

@@ -24,6 +24,7 @@ and sequence parallelism are pretraining's (a task model is small next to its ba
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -74,6 +75,8 @@ class Prepared:
 def validate(cfg: FinetuneConfig, config_files: list[str]) -> Prepared:
     """Every check that needs no process group; ConfigError listing every problem (module docstring)."""
     problems = locate(finetune_problems(cfg), config_files)
+    if cfg.model.lora and importlib.util.find_spec("peft") is None:
+        problems.append("--model.lora needs the peft library: pip install 'megagenome[lora]' (a checkout: '.[lora]')")
     ds_json, more = _ds_json(cfg, config_files)
     problems += more
     if problems:
