@@ -1,7 +1,8 @@
 """The run configuration (layer L0): what a run is, checked before anything starts.
 
-- sections.py  one dataclass per concern (model, data, train, parallel, checkpoint, log) composed into RootConfig,
-               and the data manifest's SourceConfig / ManifestConfig; standard library only
+- sections.py  one dataclass per concern (model, data, train, parallel, checkpoint, log) composed into RootConfig;
+               standard library only
+- manifest.py  the data manifest's SourceConfig / ManifestConfig (`megagenome prepare`); standard library only
 - record.py    what a checkpoint records of the config (resume_record, config_hash) and what a resume may change
 - shapes.py    what a model config implies (d_ff, the operator of each layer) and the Hyena families' checks
 - checks.py    static validation of a config or a manifest: every problem at once, each naming its flag
@@ -12,17 +13,16 @@ The names most code needs are importable from `megagenome.config` itself.
 """
 
 from megagenome.config.checks import ConfigError, signal_number, validate, validate_manifest
+from megagenome.config.manifest import ManifestConfig, SourceConfig
 from megagenome.config.record import config_differences, config_hash, resume_record
 from megagenome.config.sections import (
     CheckpointConfig,
     DataConfig,
     LogConfig,
-    ManifestConfig,
     ModelConfig,
     ParallelConfig,
     Region,
     RootConfig,
-    SourceConfig,
     TrainConfig,
     parse_region,
     to_dict,

@@ -13,11 +13,11 @@ import math
 import re
 import signal
 
+from megagenome.config.manifest import ManifestConfig
 from megagenome.config.sections import (
     CheckpointConfig,
     DataConfig,
     LogConfig,
-    ManifestConfig,
     ModelConfig,
     RootConfig,
     TrainConfig,

@@ -23,7 +23,8 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
 from megagenome.config.finetune import FinetuneConfig
-from megagenome.config.sections import ManifestConfig, RootConfig
+from megagenome.config.manifest import ManifestConfig
+from megagenome.config.sections import RootConfig
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
