@@ -75,12 +75,17 @@ def _compile_problems(cfg: RootConfig) -> list[str]:
 
 def _family_optimizer_problems(cfg: RootConfig) -> list[str]:
     """Muon orthogonalises the update of every 2-D parameter DeepSpeed tags (2-D and not named embed or lm_head),
-    which for the Hyena families takes in their filters' taps and poles, per-channel vectors that are not linear
-    maps."""
+    which for the Hyena families takes in their filters' taps and poles and for caduceus Mamba's A_log and conv taps,
+    per-channel vectors that are not linear maps; for gpn it would take in the head's transform but leave the 3-D
+    convolutions, the most of its weights, to AdamW."""
+    why = {
+        "caduceus": "Mamba's A_log and conv taps (2-D per-channel tensors, not matrices)",
+        "gpn": "the head's transform as a matrix but leave the dilated convolutions (3-D) to AdamW",
+    }.get(cfg.model.family, "the Hyena filters (2-D per-channel taps and poles, not matrices)")
     if cfg.train.optimizer == "muon" and cfg.model.family != "transformer":
         return [
             f"--train.optimizer=muon with --model.family={cfg.model.family}: Muon's orthogonalised update would take "
-            "in the Hyena filters (2-D per-channel taps and poles, not matrices); use adamw, lamb or adafactor"
+            f"in {why}; use adamw, lamb or adafactor"
         ]
     return []
 

@@ -23,11 +23,13 @@ _REGION = re.compile(r"^(?P<contig>\S+):(?P<start>[0-9][0-9,]*)-(?P<end>[0-9][0-
 class ModelConfig:
     """The model: its family, shape and objective."""
 
-    family: Literal["transformer", "hyena", "striped_hyena"] = "transformer"
+    family: Literal["transformer", "hyena", "striped_hyena", "caduceus", "gpn"] = "transformer"
     """Model family (model/family.py; its implementation in model/<family>/): transformer, a LLaMA-style pre-norm
     transformer with rotary embeddings and SwiGLU (clm or mlm); hyena, HyenaDNA's stack of Hyena operators (gated
     long convolutions with an implicit filter, by FFT); striped_hyena, StripedHyena 2 as in Evo 2 (Hyena-SE, -MR,
-    -LI and attention layers in the order --model.layer_pattern gives). model/hyena/ holds both Hyena families."""
+    -LI and attention layers in the order --model.layer_pattern gives). model/hyena/ holds both Hyena families.
+    caduceus: Caduceus' BiMamba (a Mamba block over the sequence and over its reverse), reverse-complement
+    equivariant by --model.rc_equivariance (mlm); gpn: GPN's dilated convolutional masked LM (mlm)."""
     layer_pattern: str = "SE MR LI A SE MR LI"
     """striped_hyena: the operator of each layer, in order, the pattern repeated to --model.n_layer layers (this
     default tiled over 25 layers is Evo 2 1B's layout): SE (Hyena with a short explicit filter, direct convolution),
@@ -43,6 +45,30 @@ class ModelConfig:
     """striped_hyena: poles of each channel's Hyena-LI filter (its modal order)."""
     filter_width: int = 64
     """hyena: hidden width of the implicit filter's MLP (sine activations over positional features)."""
+    rc_equivariance: Literal["ps", "post_hoc"] = "ps"
+    """caduceus: ps (Caduceus-PS, parameter sharing: both strands' embeddings through the same blocks, exactly
+    reverse-complement equivariant by construction; the residual stream is 2 x --model.d_model wide for the
+    parameters of a --model.d_model model) or post_hoc (Caduceus-Ph: a plain BiMamba of --model.d_model, trained with
+    reverse-complement augmentation, --data.rc_prob, and averaged over both strands at inference)."""
+    ssm_expand: int = 2
+    """caduceus: Mamba's expansion factor: the inner width of each Mamba block is ssm_expand x --model.d_model."""
+    ssm_conv_len: int = 4
+    """caduceus: length of Mamba's depthwise causal convolution before the selective scan (d_conv)."""
+    dt_rank: int | None = None
+    """caduceus: rank of Mamba's step-size projection; default ceil(--model.d_model / 16)."""
+    first_kernel_size: int = 9
+    """gpn: kernel of the first block's dilated convolution."""
+    kernel_size: int = 5
+    """gpn: kernel of every later block's dilated convolution."""
+    dilation_base: int = 2
+    """gpn: block i convolves with dilation min(dilation_max, dilation_base ** ((i mod dilation_cycle) //
+    dilation_double_every)); GPN's default 2, 8, 1: dilations 1, 2, 4, ... 128, then again from 1."""
+    dilation_cycle: int = 8
+    """gpn: blocks per cycle of the dilation schedule (--model.dilation_base)."""
+    dilation_double_every: int = 1
+    """gpn: blocks per doubling of the dilation within a cycle (--model.dilation_base)."""
+    dilation_max: int = 9999
+    """gpn: the largest dilation of the schedule (--model.dilation_base)."""
     d_model: int = 128
     """Width of the residual stream."""
     n_layer: int = 4
@@ -50,7 +76,8 @@ class ModelConfig:
     n_head: int = 4
     """Number of attention heads; must divide d_model."""
     d_ff: int | None = None
-    """Hidden width of the SwiGLU MLP; default 8/3 * d_model rounded up to a multiple of 64."""
+    """Hidden width of the SwiGLU MLP; default 8/3 * d_model rounded up to a multiple of 64 (gpn: of its GELU
+    feed-forward, default 4 * d_model, as GPN's)."""
     max_seq_len: int = 1024
     """Longest sequence the model accepts (rotary tables are built for this length)."""
     rope_theta: float = 10000.0
@@ -146,55 +173,6 @@ class DataConfig:
     """Held-out windows scored at every evaluation, spread evenly over the held-out split."""
     seed: int = 1234
     """Seed of window sampling, reverse complement and masking."""
-
-
-@dataclass
-class SourceConfig:
-    """One genome of a data manifest (`megagenome prepare`): a reference FASTA, optionally an individual's variants
-    (VCF) applied to it and gene intervals (BED) to train on. Paths are relative to the manifest's directory."""
-
-    name: str = ""
-    """Unique name of the source (letters, digits, '.', '_' or '-'); names its shards."""
-    fasta: str = ""
-    """Reference FASTA (plain, gzip or BGZF)."""
-    species: str = ""
-    """Species, recorded in the index."""
-    group: str = ""
-    """Group (individual, species) for group-aware sampling; default: the source's name."""
-    weight: float | None = None
-    """Sampling weight relative to the other sources; default: the source's number of training bases."""
-    val_contigs: list[str] = field(default_factory=list)
-    """Whole contigs held out for evaluation."""
-    val_ranges: list[str] = field(default_factory=list)
-    """Regions held out for evaluation, as contig:start-end (1-based, inclusive, reference coordinates)."""
-    test_contigs: list[str] = field(default_factory=list)
-    """Whole contigs held out as a test split."""
-    test_ranges: list[str] = field(default_factory=list)
-    """Regions held out as a test split, as contig:start-end (1-based, inclusive, reference coordinates)."""
-    bed: str | None = None
-    """BED file of intervals (e.g. genes) to restrict every split to, after adding --flank on both sides."""
-    flank: int = 0
-    """Bases added on both sides of each BED interval (then overlapping intervals are merged)."""
-    pack: bool = False
-    """Pack this source's intervals end to end, one separator token between neighbours, so intervals shorter than a
-    window still train (useful with a BED of short genes)."""
-    vcf: str | None = None
-    """VCF of one individual's variants against the FASTA: SNVs and indels are applied; phased diploid genotypes
-    give two haplotypes, each a shard of its own."""
-    sample: str | None = None
-    """VCF sample column to apply (default: the only one)."""
-    contig_map: dict[str, str] = field(default_factory=dict)
-    """VCF/BED contig name -> FASTA record name, where they differ (e.g. {MT: chrM})."""
-
-
-@dataclass
-class ManifestConfig:
-    """What `megagenome prepare` turns into token shards."""
-
-    sources: list[SourceConfig] = field(default_factory=list)
-    """The genomes, each a SourceConfig."""
-    max_n_run: int = 50
-    """Runs of N longer than this are cut out of every split (as --data.max_n_run for FASTA training)."""
 
 
 @dataclass

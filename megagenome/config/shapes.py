@@ -1,5 +1,6 @@
 """A model config's derived shape (layer L0, standard library only): the MLP width d_ff, the operator of each layer
-(layer_kinds), and the Hyena families' own checks (config/checks.py runs them with the rest)."""
+(layer_kinds), and the own checks of the Hyena, Caduceus and GPN families (config/checks.py runs them with the
+rest)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from megagenome.config.sections import ModelConfig
 
 # The operators of --model.layer_pattern (model/hyena/operators.py).
 LAYER_KINDS = ("SE", "MR", "LI", "A")
+# The masked-LM-only families and the kind of their every layer: "M" a BiMamba block (model/caduceus/), "C" a dilated
+# convolution block (model/gpn/).
+BIDIRECTIONAL = {"caduceus": "M", "gpn": "C"}
 
 
 def layer_kinds(m: ModelConfig) -> list[str]:
@@ -16,14 +20,18 @@ def layer_kinds(m: ModelConfig) -> list[str]:
         return ["H"] * max(m.n_layer, 0)
     if m.family == "transformer":
         return ["A"] * max(m.n_layer, 0)
+    if m.family in BIDIRECTIONAL:
+        return [BIDIRECTIONAL[m.family]] * max(m.n_layer, 0)
     pattern = m.layer_pattern.replace(",", " ").split()
     return [pattern[i % len(pattern)] for i in range(max(m.n_layer, 0))] if pattern else []
 
 
 def d_ff(model: ModelConfig) -> int:
-    """Hidden width of the SwiGLU MLP (the LLaMA rule: 2/3 of 4*d, rounded up to 64)."""
+    """Hidden width of the SwiGLU MLP (the LLaMA rule: 2/3 of 4*d, rounded up to 64); gpn's feed-forward: 4*d."""
     if model.d_ff is not None:
         return model.d_ff
+    if model.family == "gpn":
+        return 4 * model.d_model  # GPN's GELU feed-forward (intermediate_size 2048 at hidden_size 512)
     hidden = int(8 * model.d_model / 3)
     return 64 * ((hidden + 63) // 64)
 
@@ -32,6 +40,8 @@ def hyena_problems(m: ModelConfig) -> list[str]:
     """The Hyena families' own keys (model/hyena/): lengths positive, the layer pattern made of known operators."""
     if m.family == "transformer":
         return []
+    if m.family in BIDIRECTIONAL:
+        return bidirectional_problems(m)
     lengths = ("short_filter_len", "se_filter_len", "mr_filter_len", "state_size", "filter_width")
     problems = [f"--model.{k}={getattr(m, k)}: must be positive" for k in lengths if getattr(m, k) <= 0]
     if m.family == "striped_hyena":
@@ -52,4 +62,25 @@ def hyena_problems(m: ModelConfig) -> list[str]:
             f"--model.compile with --model.family={m.family}: the Hyena FFT convolutions work on complex spectra, "
             "which inductor does not compile as one graph; drop --model.compile"
         )
+    return problems
+
+
+def bidirectional_problems(m: ModelConfig) -> list[str]:
+    """caduceus' and gpn's own keys: sizes positive, and the masked objective (both read the whole window)."""
+    keys = {
+        "caduceus": ("state_size", "ssm_expand", "ssm_conv_len"),
+        "gpn": ("first_kernel_size", "kernel_size", "dilation_base", "dilation_cycle", "dilation_double_every",
+                "dilation_max"),
+    }[m.family]  # fmt: skip
+    problems = [f"--model.{k}={getattr(m, k)}: must be positive" for k in keys if getattr(m, k) <= 0]
+    if m.family == "caduceus" and m.dt_rank is not None and m.dt_rank <= 0:
+        problems.append(f"--model.dt_rank={m.dt_rank}: must be positive (or unset: ceil(d_model / 16))")
+    if m.objective != "mlm":
+        what = "runs Mamba over both directions" if m.family == "caduceus" else "convolves with centred kernels"
+        problems.append(
+            f"--model.objective={m.objective} with --model.family={m.family}: the model {what}, so every "
+            "position sees the bases after it; use --model.objective mlm"
+        )
+    if m.compile:
+        problems.append(f"--model.compile with --model.family={m.family}: only transformer blocks are compiled")
     return problems

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -66,7 +66,8 @@ class ParallelRules:
     sequence); pipeline_units: how many pipeline layers of the repeated kind there are and what one is called (every
     stage needs at least one); pipeline_classes: the class names of the pipeline's layers that
     --parallel.pipeline_partition type:NAME may match, dense and under tensor parallelism; sequence_min_chunk: the
-    positions each sequence-parallel rank's chunk must hold at least, and why."""
+    positions each sequence-parallel rank's chunk must hold at least, and why; refused: the parallel degrees the family
+    does not run, with the reason."""
 
     tensor: tuple[Divisible, ...]
     sequence: tuple[Divisible, ...]
@@ -74,6 +75,9 @@ class ParallelRules:
     pipeline_classes: tuple[tuple[str, ...], tuple[str, ...]]
     # (positions, why): the fewest positions a sequence-parallel chunk may hold (a convolution's halo), 0: any
     sequence_min_chunk: tuple[int, str] = (0, "")
+    # {"tensor" | "sequence" | "pipeline": why}: the degrees this family does not run above 1, and the reason the
+    # refusal gives before launch (e.g. "--parallel.sequence=2 with --model.family=gpn: ...")
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -133,6 +133,11 @@ class ParallelLayout:
             world_size, parallel.tensor, parallel.sequence, parallel.pipeline, stage if isinstance(stage, int) else 0
         )
         problems = _degree_problems(layout)
+        problems += [
+            f"--parallel.{degree}={getattr(parallel, degree)} with --model.family={model.family}: {why}"
+            for degree, why in rules.refused.items()
+            if getattr(parallel, degree) > 1
+        ]
         if not problems:
             problems += _sequence_problems(layout, rules, seq_len, warmup_lengths)
             problems += _tensor_problems(layout, rules)
