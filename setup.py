@@ -33,6 +33,9 @@ setup(
         # Supervised variant-effect prediction (score-variants --supervised: logistic regression / gradient boosting,
         # grouped cross-validation) and the task metrics of `finetune` (MCC, AUROC; Spearman through its scipy).
         "scikit-learn==1.9.1",
+        # Caduceus' selective scan on CPU (model/caduceus/scan.py): mamba.py's parallel (Blelloch) scan in plain
+        # torch, which needs nothing but torch; mamba-ssm's CUDA kernel is used instead when installed on a GPU.
+        "mambapy==1.2.0",
     ],
     extras_require={
         # flash-attn compiles against the local CUDA toolkit; install it on GPU machines only.

@@ -50,7 +50,7 @@ pytest but not deepspeed, jsonargparse, pyfaidx or their needs, and nothing can 
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \\
         jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 pyfaidx==0.9.2.2 biopython==1.88 \\
         pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0 \\
-        einops==0.8.2 msgpack==1.2.4 psutil==7.2.2 py-cpuinfo==9.0.0 ninja==1.13.2
+        einops==0.8.2 msgpack==1.2.4 psutil==7.2.2 py-cpuinfo==9.0.0 ninja==1.13.2 mambapy==1.2.0
 
 Then one run with carry [".whl"] and timeout_s 540:
 
@@ -111,6 +111,7 @@ PROBE_REQUIRED = [
     ("typeshed_client", "typeshed-client"),
     ("jsonargparse", "jsonargparse"),
     ("pyfaidx", "pyfaidx"),
+    ("mambapy", "mambapy"),
     ("deepspeed", "deepspeed"),
 ]
 # (import name, pip name, what is skipped without it)
@@ -119,6 +120,7 @@ PROBE_OPTIONAL = [
     ("transformers", "transformers", "the Hugging Face peer cells"),
     ("flash_attn", "flash-attn", "flash-attn 2 (attention auto then runs FA3, cuDNN or SDPA)"),
     ("flash_attn_interface", "flash-attn-3 (FlashAttention-3's hopper/ build)", "FlashAttention-3"),
+    ("mamba_ssm", "mamba-ssm", "Caduceus' fused CUDA scan against the torch scan (tests/test_caduceus.py)"),
 ]
 TESTS_CAP_S = 200
 GOALS = [("1B", 8192, 0.45), ("1B", 32768, 0.35)]  # (model, seq, MFU in the causal convention)

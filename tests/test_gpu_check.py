@@ -76,7 +76,7 @@ def test_probe_covers_what_deepspeed_requires():
     required = {name.lower() for name in names}
     probed = {pip.lower() for _, pip in gpu_check.PROBE_REQUIRED}
     assert required <= probed, required - probed
-    assert {"jsonargparse", "pyfaidx", "pyyaml", "numpy", "torch"} <= probed
+    assert {"jsonargparse", "pyfaidx", "pyyaml", "numpy", "torch", "mambapy"} <= probed
 
 
 def test_only_files_with_gpu_tests_are_collected():
@@ -84,6 +84,7 @@ def test_only_files_with_gpu_tests_are_collected():
     assert "tests/test_fp16_gpu.py" in files and "tests/test_model_layers.py" in files
     assert "tests/test_tune.py" not in files and "tests/test_gpu_check.py" not in files
     assert "tests/test_fused_paths.py" in files  # the fused paths against eager, on the GPU
+    assert "tests/test_caduceus.py" in files  # the fused CUDA scan against the torch scan
 
 
 def test_gpu_test_step_counts_outcomes(tmp_path, monkeypatch):

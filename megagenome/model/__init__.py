@@ -1,17 +1,19 @@
 """DNA language models (layer L1): plain torch, no data, training or deepspeed imports.
 
 A model family (model/family.py) is what the rest of megagenome builds and asks about a model; FAMILIES holds them
-by --model.family name: the transformer (model/transformer/), hyena and striped_hyena (model/hyena/). Shared by
+by --model.family name: the transformer (model/transformer/), hyena and striped_hyena (model/hyena/), and the masked
+LM caduceus (model/caduceus/: BiMamba, reverse-complement equivariant). Shared by
 every family: the layer factory, RMSNorm and initialisation (layers.py), the block stack with its loss (stack.py),
 the attention kernels (attention.py) and the distillation loss (distill.py).
 """
 
 from megagenome.model.attention import attention_backend, attention_summary
+from megagenome.model.caduceus import CADUCEUS
 from megagenome.model.family import ModelFamily
 from megagenome.model.hyena import HYENA, STRIPED_HYENA
 from megagenome.model.transformer import TRANSFORMER
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (TRANSFORMER, HYENA, STRIPED_HYENA)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (TRANSFORMER, HYENA, STRIPED_HYENA, CADUCEUS)}
 
 
 def family_of(cfg) -> ModelFamily:

@@ -1,0 +1,142 @@
+"""The Mamba mixer and Caduceus' BiMamba block (layer L1), as Gu & Dao 2023 (mamba_simple) and Schiff et al. 2024
+(BiMambaWrapper with bidirectional_weight_tie and the "add" strategy) define them.
+
+One direction (MambaCore), with c = ssm_expand x d_model inner channels, N = state_size, r = dt_rank, k = ssm_conv_len:
+
+    u (b, T, c) -> depthwise causal conv1d of k taps with bias -> SiLU -> x_proj (c -> r + 2N) = (dt, B, C)
+    -> dt_proj (r -> c) -> selective scan (scan.py; softplus(dt + dt_bias), A = -exp(A_log), D) -> y (b, T, c)
+
+The mixer (MambaMixer): in_proj (d -> 2c) gives (u, z); y = core_fwd(u) + flip_T(core_rev(flip_T(u))) (the reverse
+direction reads the sequence backwards; Mamba's in_proj of the flipped input is the flipped in_proj output, so one
+in_proj call serves both), then out_proj(y * SiLU(z)) (c -> d). in_proj and out_proj are shared by the two
+directions: one module each, called once per forward (Caduceus ties the reverse Mamba's to the forward's; the gate
+and out_proj are linear in y, so gating and projecting the sum is gating and projecting each direction and adding).
+Conv, x_proj, dt_proj, dt_bias, A_log and D are each direction's own. A one-direction mixer (bidirectional=False) is
+plain Mamba, what tests/test_caduceus.py compares with mambapy's MambaBlock.
+
+The block (CaduceusBlock) is pre-norm residual, x + dropout(mixer(RMSNorm(x))), with no MLP (Caduceus has none).
+
+Initialisation (Mamba's): dt_proj's weight U(-r^-1/2, r^-1/2), dt_bias the inverse softplus of a step drawn
+log-uniformly in [1e-3, 1e-1] (floored at 1e-4), A_log = log(1..N) per channel (S4D-real), D = 1, the conv taps and
+bias U(-1/sqrt(k), 1/sqrt(k)) (torch's Conv1d default); the model (model.py) draws the other linears. A_log and D
+take no weight decay (no_weight_decay, read by BlockStack.param_groups), as in Mamba.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megagenome.config import ModelConfig
+from megagenome.model.caduceus.scan import selective_scan
+from megagenome.model.layers import RMSNorm
+
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Mamba's step initialisation range
+
+
+def dt_rank(cfg: ModelConfig) -> int:
+    """Rank of the step projection: --model.dt_rank, default ceil(d_model / 16) (Mamba's "auto")."""
+    return cfg.dt_rank if cfg.dt_rank is not None else math.ceil(cfg.d_model / 16)
+
+
+class MambaCore(nn.Module):
+    """One direction of the mixer: conv, SiLU, x_proj, dt_proj and the selective scan over u (b, T, c)."""
+
+    def __init__(self, cfg: ModelConfig, layers):
+        super().__init__()
+        c, N, k, r = cfg.ssm_expand * cfg.d_model, cfg.state_size, cfg.ssm_conv_len, dt_rank(cfg)
+        self.sizes = (r, N, N)
+        self.conv_weight = layers.channels(torch.empty(c, k))  # (c, k): tap j multiplies u_{t - k + 1 + j}
+        self.conv_bias = layers.channels(torch.empty(c))
+        self.x_proj = layers.row(c, r + 2 * N)
+        self.dt_proj = layers.column(r, c)
+        self.dt_bias = layers.channels(torch.empty(c))
+        self.A_log = layers.channels(torch.empty(c, N))
+        self.D = layers.channels(torch.empty(c))
+        self.A_log.no_weight_decay = True
+        self.D.no_weight_decay = True
+        # Selective checkpointing (CaduceusBlock.set_recompute): fn(function, *args) reruns the scan in backward,
+        # keeping only its inputs instead of its (b, T, c, N) float32 states. None: keep what it saves.
+        self.recompute: Callable | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Mamba's initialisation of the conv, the step projection, A and D (module docstring)."""
+        c, k = self.conv_weight.shape
+        bound = 1 / math.sqrt(k)
+        self.conv_weight.uniform_(-bound, bound)
+        self.conv_bias.uniform_(-bound, bound)
+        r = self.sizes[0]
+        nn.init.uniform_(self.dt_proj.weight, -(r**-0.5), r**-0.5)
+        step = torch.exp(torch.rand(c) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
+        step = step.clamp(min=DT_FLOOR)
+        self.dt_bias.copy_(step + torch.log(-torch.expm1(-step)))  # softplus(dt_bias) = step
+        N = self.A_log.shape[1]
+        self.A_log.copy_(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).expand(c, N))
+        self.D.fill_(1.0)
+
+    def conv(self, u: torch.Tensor) -> torch.Tensor:
+        """The depthwise causal convolution of u (b, T, c) with bias: (b, T, c), position t reads t - k + 1 .. t."""
+        k = self.conv_weight.shape[1]
+        x = F.pad(u.transpose(1, 2), (k - 1, 0))  # (b, c, T + k - 1): zeros before the first position
+        w = self.conv_weight.to(u.dtype).unsqueeze(1)  # (c, 1, k)
+        return F.conv1d(x, w, self.conv_bias.to(u.dtype), groups=w.shape[0]).transpose(1, 2)  # (b, T, c)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        x = F.silu(self.conv(u))  # (b, T, c)
+        dt, B, C = self.x_proj(x).split(self.sizes, dim=-1)  # (b, T, r), (b, T, N), (b, T, N)
+        dt = self.dt_proj(dt)  # (b, T, c)
+        scan = selective_scan
+        if self.recompute is not None and torch.is_grad_enabled():
+            scan = functools.partial(self.recompute, selective_scan)
+        return scan(x, dt, self.A_log, B, C, self.D, self.dt_bias)  # (b, T, c)
+
+
+class MambaMixer(nn.Module):
+    """Mamba (bidirectional=False) or Caduceus' BiMamba over x (b, T, d_model) (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, layers, bidirectional: bool = True):
+        super().__init__()
+        c = cfg.ssm_expand * cfg.d_model
+        self.in_proj = layers.column(cfg.d_model, 2 * c)
+        self.fwd = MambaCore(cfg, layers)
+        self.rev = MambaCore(cfg, layers) if bidirectional else None
+        self.out_proj = layers.row(c, cfg.d_model)
+
+    def cores(self) -> list[MambaCore]:
+        return [self.fwd] if self.rev is None else [self.fwd, self.rev]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, z = self.in_proj(x).chunk(2, dim=-1)  # (b, T, c) each
+        y = self.fwd(u)  # (b, T, c)
+        if self.rev is not None:
+            y = y + self.rev(u.flip(1)).flip(1)  # the reverse direction, read backwards and flipped back
+        return self.out_proj(y * F.silu(z))  # (b, T, d_model)
+
+
+class CaduceusBlock(nn.Module):
+    """Pre-norm residual BiMamba block: x + dropout(mixer(norm(x))), (b, T, d_model) -> (b, T, d_model)."""
+
+    def __init__(self, cfg: ModelConfig, layers):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = MambaMixer(cfg, layers)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def set_recompute(self, fn: Callable | None) -> None:
+        """Selective checkpointing: fn recomputes each direction's selective scan in backward; None keeps it."""
+        for core in self.mixer.cores():
+            core.recompute = fn
+
+    def residual_projections(self) -> tuple[nn.Module, ...]:
+        """The projection writing into the residual stream (scaled at initialisation)."""
+        return (self.mixer.out_proj,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.mixer(self.norm(x)))  # (b, T, d_model)

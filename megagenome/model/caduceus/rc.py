@@ -1,0 +1,50 @@
+"""Reverse complements of token ids, logits and RC-PS streams (layer L1), for Caduceus' two forms of equivariance.
+
+The complement of megagenome's vocabulary (data/tokenizer.py VOCAB: <pad> <mask> <sep> A C G T N) swaps A with T
+and C with G and maps every special token, N and padded row to itself. It is written here, not imported, because the
+model layer does not import the data layer; tests/test_caduceus.py checks that it is data/tokenizer.py's table.
+
+RC-PS (Caduceus-PS) keeps a 2 x d_model residual stream [a, b] whose second half is the reverse complement strand's,
+flipped: h(rc(x)) = flip over positions and all 2d channels of h(x). Every layer of it applies one d_model-wide
+module f to both halves, f(a) and rc(f(rc(b))) with rc = flip over positions and channels; stacking a and rc(b)
+along the batch (the "folded" stream, (2B, T, d)) runs f once on both. Consecutive layers unfold and fold again,
+which cancel: between the embedding and the head the model keeps the stream folded, and the folded stream of x is
+the plain stack's on the batch [x; rc(x)]. unfold() gives the 2d stream of hidden() and layer_states().
+"""
+
+from __future__ import annotations
+
+import torch
+
+# data/tokenizer.py VOCAB order: <pad> <mask> <sep> A C G T N -> its complement's id.
+DNA_COMPLEMENT = (0, 1, 2, 6, 5, 4, 3, 7)
+
+
+def complement_index(rows: int) -> torch.Tensor:
+    """(rows,) int64: the complement's id of every id below `rows` (identity past the DNA vocabulary)."""
+    table = torch.arange(rows)
+    known = min(rows, len(DNA_COMPLEMENT))
+    table[:known] = torch.tensor(DNA_COMPLEMENT[:known])
+    return table
+
+
+def reverse_complement_ids(input_ids: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids of the reverse complement strand: the complement of input_ids read backwards."""
+    return complement[input_ids.flip(1)]
+
+
+def strands(input_ids: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
+    """(2B, T): the batch and its reverse complement strands, stacked along the batch."""
+    return torch.cat([input_ids, reverse_complement_ids(input_ids, complement)], dim=0)
+
+
+def reverse_complement_logits(logits: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits of the reverse complement strand mapped back onto the forward strand: position T-1-t's
+    logit of the complement of each token."""
+    return logits.flip(1)[..., complement[: logits.shape[-1]]]
+
+
+def unfold(folded: torch.Tensor) -> torch.Tensor:
+    """(B, T, 2d) RC-PS stream [a, rc(b)] of a folded (2B, T, d) one (the forward strand's a, the other's b)."""
+    B = folded.shape[0] // 2
+    return torch.cat([folded[:B], folded[B:].flip(1, 2)], dim=-1)
