@@ -56,6 +56,9 @@ setup(
             "mkdocs==1.6.1",
             "mkdocs-material==9.8.1",
             "peft==0.21.2",
+            # The GPN oracle (tests/test_gpn.py): the gpn package's own model, built from its config, must give our
+            # gpn family's logits from the same weights. Its only release for Python < 3.13 is this pre-release.
+            "gpn==0.9.0a1",
         ],
         # `megagenome finetune --model.lora true`: Hugging Face's LoRA adapters on any torch module, merged back on
         # export (model/lora.py). An extra, since peft brings transformers, which the package itself never needs.

@@ -74,6 +74,7 @@ SEAMS = {
     "bitsandbytes": {"train/optimizers"},  # the 8-bit AdamW on CUDA
     "mambapy": {"model/caduceus/scan"},  # Caduceus' parallel scan on CPU
     "mamba_ssm": {"model/caduceus/scan"},  # its CUDA kernel, where installed
+    "gpn": set(),  # the GPN oracle of tests/test_gpn.py: never the package
 }
 
 
@@ -290,12 +291,12 @@ def family_internals_outside(rel: str, tree) -> list[str]:
 
 
 # The modules that may name a model's insides: each family's package and the block stack they share.
-FAMILY_MODULES = ("model/transformer", "model/hyena", "model/caduceus", "model/stack")
+FAMILY_MODULES = ("model/transformer", "model/hyena", "model/caduceus", "model/gpn", "model/stack")
 
 
 def test_only_the_family_names_the_transformers_internals():
     """The model-family seam (docs/architecture.md): outside the families (model/transformer/, model/hyena/,
-    model/caduceus/ and the block stack they share, model/stack.py) nothing reads a model's blocks,
+    model/caduceus/, model/gpn/ and the block stack they share, model/stack.py) nothing reads a model's blocks,
     attention, MLP, embedding or head, as attributes or as state-dict keys."""
     bad = []
     for rel, _, tree in modules():

@@ -2,7 +2,7 @@
 
 A model family (model/family.py) is what the rest of megagenome builds and asks about a model; FAMILIES holds them
 by --model.family name: the transformer (model/transformer/), hyena and striped_hyena (model/hyena/), and the masked
-LM caduceus (model/caduceus/: BiMamba, reverse-complement equivariant). Shared by
+LMs caduceus (model/caduceus/: BiMamba, reverse-complement equivariant) and gpn (model/gpn/: dilated CNN). Shared by
 every family: the layer factory, RMSNorm and initialisation (layers.py), the block stack with its loss (stack.py),
 the attention kernels (attention.py) and the distillation loss (distill.py).
 """
@@ -10,10 +10,11 @@ the attention kernels (attention.py) and the distillation loss (distill.py).
 from megagenome.model.attention import attention_backend, attention_summary
 from megagenome.model.caduceus import CADUCEUS
 from megagenome.model.family import ModelFamily
+from megagenome.model.gpn import GPN
 from megagenome.model.hyena import HYENA, STRIPED_HYENA
 from megagenome.model.transformer import TRANSFORMER
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (TRANSFORMER, HYENA, STRIPED_HYENA, CADUCEUS)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (TRANSFORMER, HYENA, STRIPED_HYENA, CADUCEUS, GPN)}
 
 
 def family_of(cfg) -> ModelFamily:
