@@ -43,6 +43,7 @@ from megagenome.train.divergence import Guard, guard_optimizer
 from megagenome.train.loop import LoopPlan, StopRequest, TokenCounter, TrainingStopped, fit
 from megagenome.train.memory import memory_probe
 from megagenome.train.prefetch import Prefetcher
+from megagenome.train.token_mean import step_denominators
 from megagenome.train.watchdog import Watchdog
 
 
@@ -359,9 +360,8 @@ def _rollback(run: Run, bad_step: int, cursor: dict, guard: Guard) -> int | None
 
 def train_step(run: Run, tokens: TokenCounter, to_device, plan: LoopPlan, before_update=None):
     """The StepFn of this run (train/loop.py): DeepSpeed's pipeline schedule with pipeline stages, else forward,
-    backward and step per micro batch. It measures the gradient norm where DeepSpeed records none, and memory.json
-    at the second step of this invocation (the only one if it has one), once optimizer states exist, between
-    backward and the optimizer step."""
+    backward and step per micro batch (the loss a mean over the global batch). It measures the gradient norm where
+    DeepSpeed records none, and memory.json at this invocation's second step (or only one), with optimizer states."""
     engine, layout = run.engine, run.layout
     if ds.reports_grad_norm(engine):
         norm = None
@@ -376,9 +376,9 @@ def train_step(run: Run, tokens: TokenCounter, to_device, plan: LoopPlan, before
     )
     if layout.pipeline > 1:
         return pipeline.train_step(engine, tokens, to_device, run.batch.grad_accum, grad_norm=norm, on_gradients=probe)
-    return loop.forward_backward_step(
-        engine, tokens, to_device, run.batch.grad_accum, norm, probe, before_update=before_update
-    )
+    dp_group = run.ranks.state.groups.get("dp")  # the replicas: a step's loss is the mean over all their targets
+    mean = step_denominators(run.ranks.device, layout.data_parallel, dp_group, run.sp_loss_factor)
+    return loop.forward_backward_step(engine, tokens, to_device, run.batch.grad_accum, norm, probe, before_update, mean)
 
 
 def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:

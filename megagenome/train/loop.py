@@ -194,9 +194,12 @@ def forward_backward_step(
     grad_norm: Callable[[], float] | None = None,
     on_gradients: Callable[[int], None] | None = None,
     before_update: Callable[[float], bool] | None = None,
+    denominators: Callable[[list[dict]], None] | None = None,
 ) -> StepFn:
     """The step of a plain DeepSpeed engine: engine(**batch), backward and step for each micro batch
     train_batch(step, m); grad_norm() and on_gradients(step) run between the last backward and the optimizer step.
+    denominators(batches), given, sets every micro batch's loss denominator from the step's whole batch before the
+    first forward (train/token_mean.py: the loss a mean over every target of the global batch, whatever the layout).
     before_update(step loss, a device tensor) runs after the last forward, before its backward: True discards the
     step's update (train/divergence.py: the backward of a NaN-scaled loss makes the gradients non-finite, and
     DeepSpeed's overflow check drops them); it reads the loss back only while the spike detector tests. Nothing
@@ -205,8 +208,11 @@ def forward_backward_step(
     def run(step: int) -> tuple[torch.Tensor, float | None]:
         step_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         own_norm = None
-        for micro_step in range(grad_accum):
-            loss, _, _ = engine(**to_device(train_batch(step, micro_step)))
+        batches = [train_batch(step, m) for m in range(grad_accum)]
+        if denominators is not None:
+            denominators(batches)
+        for micro_step, batch in enumerate(batches):
+            loss, _, _ = engine(**to_device(batch))
             last = micro_step == grad_accum - 1
             step_loss += loss.detach().to(torch.float64)
             if last and before_update is not None and before_update(step_loss / grad_accum):
