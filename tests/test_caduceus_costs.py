@@ -66,8 +66,10 @@ def test_parameters_are_the_built_models(mode, tie):
     assert shape.block_params() == sum(p.numel() for p in model.blocks[0].parameters())
     vocab = {id(p) for p in model.vocab_parameters()}
     assert shape.param_shapes() == [(tuple(p.shape), p.dim() == 2 and id(p) not in vocab) for p in model.parameters()]
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        shape.n_params(2)
+    # tensor 2: each tensor as one rank holds it, its partition dimension (the family's partition_dims) halved
+    split = [(family_of(cfg).partition_dim(n), tuple(p.shape)) for n, p in model.named_parameters()]
+    halved = [tuple(n // 2 if i == dim else n for i, n in enumerate(s)) for dim, s in split]
+    assert [s for s, _, _ in shape.param_table(2)] == halved and shape.n_params(2) == sum(map(math.prod, halved))
 
 
 # ----- (b) FLOPs ---------------------------------------------------------------------------------------------------
@@ -158,7 +160,12 @@ def test_elementwise_bytes_and_traffic():
         assert ps.elementwise_bytes_per_token(fused) == pytest.approx(2 * ph.elementwise_bytes_per_token(fused))
     assert ps.elementwise_bytes_per_token(True) < ps.elementwise_bytes_per_token(False)
     assert ps.elementwise_bytes_per_token(False, forward_runs=2) > ps.elementwise_bytes_per_token(False)
-    assert ps.tensor_parallel_traffic(2, 64, 2, "none") == (0, 0)
+    # per block: forward out_proj's and the two x_proj all-reduces, backward in_proj's and two per direction
+    count, each = ps.tensor_parallel_traffic(2, 64, 2, "none")
+    d, small, tokens = ps.d_model, ps.dt_rank + 2 * ps.state_size, 2 * 2 * 64  # both strands
+    assert count == 8 * ps.n_layer and count * each == ps.n_layer * 2 * (d + 2 * small) * tokens * 2
+    assert ps.tensor_parallel_traffic(2, 64, 2, "full")[0] == 11 * ps.n_layer
+    assert ps.elementwise_bytes_per_token(False, tp=2) < ps.elementwise_bytes_per_token(False)
     assert ps.attention_flops_per_token(1024) == 0.0
     assert math.isfinite(ps.flops_per_token(1 << 20))
 

@@ -287,7 +287,11 @@ def test_refusals():
     with pytest.raises(ValueError, match="max_seq_len"):
         model.logits(ids_of(1, 129))
     refused = GPN.parallel_rules(cfg, VOCAB_SIZE).refused
-    assert set(refused) == {"tensor", "sequence", "pipeline"} and "halo" in refused["sequence"]
+    assert set(refused) == {"sequence", "pipeline"} and "halo" in refused["sequence"]
+    assert [d.size for d in GPN.parallel_rules(cfg, VOCAB_SIZE).tensor] == [cfg.d_model, 4 * cfg.d_model, 8]
+    split = {k for k in model.state_dict() if GPN.partition_dim(k) is not None}
+    assert split == {k for k in model.state_dict() if k.endswith(("conv.weight", "_out.weight", "ffn_up.weight",
+                     "ffn_down.weight", "decoder.weight"))} and len(split) == 4 * cfg.n_layer + 1  # fmt: skip
     assert GPN.shape_problems(config(d_model=4)) and not GPN.shape_problems(cfg)
     with pytest.raises(ValueError, match="vocabulary rows"):
         build(config(d_model=4))

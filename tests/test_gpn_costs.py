@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -72,8 +73,10 @@ def test_parameters_are_the_built_models(settings):
     largest = max(sum(p.numel() for p in block.parameters()) for block in model.blocks)
     assert shape.block_params() == largest
     assert GPN.parameter_counts(cfg, VOCAB_SIZE) == (model.num_parameters(), largest)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        shape.n_params(2)
+    # tensor 2: each tensor as one rank holds it, its partition dimension (the family's partition_dims) halved
+    split = [(GPN.partition_dim(n), tuple(p.shape)) for n, p in model.named_parameters()]
+    halved = [tuple(n // 2 if i == dim else n for i, n in enumerate(s)) for dim, s in split]
+    assert [s for s, _, _ in shape.param_table(2)] == halved and shape.n_params(2) == sum(map(math.prod, halved))
 
 
 # ----- (b) activations ---------------------------------------------------------------------------------------------
@@ -177,7 +180,10 @@ def test_plan_of_gpn_defaults():
     assert "receptive field 3,069 bases" in plan["model"]["shape"] and plan["recommendation"]["fits"]
 
 
-def test_plan_refuses_tensor_parallelism_with_the_reason():
-    out = cli_here(*PLAN, "--parallel.tensor", "2")
-    assert out.returncode != 0
-    assert "--parallel.tensor=2 with --model.family=gpn: tensor parallelism is not implemented" in out.stderr
+def test_plan_prices_tensor_parallelism():
+    out = cli_here(*PLAN, "--parallel.tensor", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["model"]["family"] == "gpn"
+    shape = shape_of(config())
+    assert shape.tensor_parallel_traffic(2, 64, 2, "none") == (4 * shape.n_layer, 2 * 64 * shape.d_model * 2)
+    assert shape.activation_bytes(64, 2, "none", 2, tp=2)["saved"] < shape.activation_bytes(64, 2, "none", 2)["saved"]

@@ -26,8 +26,10 @@ class DenseLayers:
     out) (one whose input features it would), embedding(rows, dim), head(dim, rows, tied) (the LM head, sharing the
     embedding's weight when tied is given), token_loss(embedding, vocab_size) (the per-token loss of the head's
     output, None: cross entropy of the full logits, model/stack.py), channels(tensor, parameter) (a per-channel
-    tensor, split by channel under tensor parallelism) and attention_dropout_rng (a context manager factory entered
-    around attention dropout, None: the default generator)."""
+    tensor, split by channel under tensor parallelism), conv(in, out, kernel, dilation) (a full "same" Conv1d whose
+    output channels a split would shard), enter_region() (a module a replicated tensor passes through before each
+    rank's channels consume it: identity here) and attention_dropout_rng (a context manager factory entered around
+    attention dropout, None: the default generator). head(..., gather=True): a split head gathers its logits."""
 
     attention_dropout_rng = None
 
@@ -40,7 +42,7 @@ class DenseLayers:
     def embedding(self, rows: int, dim: int) -> nn.Module:
         return nn.Embedding(rows, dim)
 
-    def head(self, dim: int, rows: int, tied: nn.Module | None = None) -> nn.Module:
+    def head(self, dim: int, rows: int, tied: nn.Module | None = None, gather: bool = False) -> nn.Module:
         head = self.column(dim, rows)  # built (and its random draws made) even when tied, as every factory does
         if tied is not None:
             head.weight = tied.weight
@@ -53,6 +55,13 @@ class DenseLayers:
         """A per-channel tensor (channels along dim 0, a Hyena filter's taps or poles) as this rank holds it: the
         whole tensor here (an nn.Parameter when `parameter`, else the tensor, for a buffer)."""
         return nn.Parameter(tensor) if parameter else tensor
+
+    def conv(self, in_channels: int, out_channels: int, kernel: int, dilation: int = 1) -> nn.Module:
+        """A bias-free Conv1d over (B, in, T), "same" padding (torch's default Kaiming-uniform initialisation)."""
+        return nn.Conv1d(in_channels, out_channels, kernel, dilation=dilation, padding="same", bias=False)
+
+    def enter_region(self) -> nn.Module:
+        return nn.Identity()
 
 
 def init_normal_(module: nn.Module, std: float) -> None:

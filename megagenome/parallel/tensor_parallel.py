@@ -400,13 +400,16 @@ class TensorParallelLayers:
     def embedding(self, rows: int, dim: int) -> VocabParallelEmbedding:
         return VocabParallelEmbedding.from_dense(nn.Embedding(rows, dim), self.group)
 
-    def head(self, dim: int, rows: int, tied: VocabParallelEmbedding | None = None) -> ColumnParallelLinear:
+    def head(self, dim: int, rows: int, tied: VocabParallelEmbedding | None = None, gather: bool = False):
         head = self.column(dim, rows)
+        head.gather_output = gather  # the whole logits on every rank (for a head whose rows are permuted, RC-PS)
         if tied is not None:
             head.weight = tied.weight  # the same Parameter: one shard, two uses, as in the dense model
         return head
 
     def token_loss(self, embedding: VocabParallelEmbedding, vocab_size: int):
+        if not isinstance(embedding, VocabParallelEmbedding):
+            return None  # no vocabulary block (gpn's one-hot embedding): its head gathers, the loss is dense
         return functools.partial(
             vocab_parallel_cross_entropy, vocab_start=embedding.vocab_start, vocab_size=vocab_size, group=self.group
         )
@@ -416,6 +419,17 @@ class TensorParallelLayers:
         sharded parameter (or, parameter=False, a plain tensor for a buffer)."""
         block = _shard(tensor, 0, dist.get_rank(self.group), dist.get_world_size(self.group))
         return _mark(nn.Parameter(block), 0) if parameter else block
+
+    def conv(self, in_channels: int, out_channels: int, kernel: int, dilation: int = 1) -> nn.Module:
+        from megagenome.parallel.tensor_parallel_conv import ColumnParallelConv1d
+
+        return ColumnParallelConv1d(nn.Conv1d(in_channels, out_channels, kernel, dilation=dilation, padding="same",
+                                              bias=False), self.group)  # fmt: skip
+
+    def enter_region(self) -> nn.Module:
+        from megagenome.parallel.tensor_parallel_conv import EnterRegion
+
+        return EnterRegion(self.group)
 
 
 def grad_norm(parameters, mpu=None) -> float:

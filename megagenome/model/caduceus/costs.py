@@ -113,16 +113,16 @@ class CaduceusShape:
     # ----- parameters ----------------------------------------------------------------------------------------------
 
     def block_table(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
-        """(shape, decays) of one block's parameters in model order (module docstring)."""
-        _tensor_parallel_refused(tp)
-        d, c, N, r, k = self.d_model, self.inner, self.state_size, self.dt_rank, self.conv_len
+        """(shape one of `tp` tensor-parallel ranks holds, decays) of one block's parameters in model order (module
+        docstring): under tensor parallelism every inner-channel dimension c is c / tp (mamba.py)."""
+        d, c, N, r, k = self.d_model, self.inner // tp, self.state_size, self.dt_rank, self.conv_len
         core = [((c, k), True), ((c,), False), ((c,), False), ((c, N), False), ((c,), False)]
         core += [((r + 2 * N, c), True), ((c, r), True)]  # a module's own parameters come before its submodules'
         return [((d,), False), ((2 * c, d), True), *core * DIRECTIONS, ((d, c), True)]
 
     def param_table(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool, bool]]:
         """(shape, decays, is a vocabulary matrix) of each parameter tensor in model order."""
-        vocab = ((self.padded_vocab, self.d_model), True, True)
+        vocab = ((self.padded_vocab // tp, self.d_model), True, True)  # vocabulary-parallel
         out = [vocab]
         for _ in range(self.n_layer):
             out += [(s, decays, False) for s, decays in self.block_table(tp)]
@@ -201,10 +201,11 @@ class CaduceusShape:
 
     # ----- bytes ---------------------------------------------------------------------------------------------------
 
-    def block_bytes(self, seq: int, micro: int, e: int, mask_bytes: int | None = None) -> tuple[int, int]:
+    def block_bytes(self, seq: int, micro: int, e: int, mask_bytes: int | None = None, tp: int = 1) -> tuple[int, int]:
         """(what one block saves without checkpointing, what it keeps under selective), for `micro` sequences as the
-        blocks run them (module docstring)."""
-        b, s, d, c, N, r = micro, seq, self.d_model, self.inner, self.state_size, self.dt_rank
+        blocks run them (module docstring); under tensor parallelism every (M, c) term holds c / tp channels, the
+        norm, in_proj's input, x_proj's (all-reduced) output and the dropout mask stay whole."""
+        b, s, d, c, N, r = micro, seq, self.d_model, self.inner // tp, self.state_size, self.dt_rank
         M, p, m = b * s, 2 ** math.ceil(math.log2(max(s, 1))), e if mask_bytes is None else mask_bytes
         base = 8 * M * d + 4 * M + M * d * e + 2 * M * c * e + 3 * M * c * e
         base += M * d * m if self.dropout > 0 else 0
@@ -223,9 +224,8 @@ class CaduceusShape:
         the transformer's keys (model/transformer/costs.py activation_bytes) plus module_buffers."""
         if policy not in POLICIES:
             raise ValueError(f"checkpointing policy {policy!r}: must be one of {', '.join(POLICIES)}")
-        _tensor_parallel_refused(tp)
         b, e, L = micro * self.strands, act_bytes, self.n_layer
-        block, selective = self.block_bytes(seq, b, e, mask_bytes)
+        block, selective = self.block_bytes(seq, b, e, mask_bytes, tp)
         block_input = b * seq * self.d_model * e
         kept = {"none": L * block, "selective": L * selective, "full": L * block_input}.get(policy)
         kept = math.ceil(L / every) * block_input if kept is None else kept
@@ -252,9 +252,8 @@ class CaduceusShape:
         """Bytes per token of elementwise work: per block the norm and residual add (the transformer's per norm),
         each direction's conv, casts and scan (CHANNEL_BYTES, STATE_BYTES), the gate; backward twice the forward.
         fused: the scan as mamba_ssm's kernel, which reads u, dt, B, C and writes y (12c bytes) and keeps the
-        states on chip. Times the strands."""
-        _tensor_parallel_refused(tp)
-        d, c, N = self.d_model, self.inner, self.state_size
+        states on chip. Times the strands. Under tensor parallelism the channel work is c / tp per rank."""
+        d, c, N = self.d_model, self.inner // tp, self.state_size
         norm_add = (40 * d + 6 * d, 72 * d + 9 * d) if not fused else (8 * d, 8 * d)
         per_direction = 12 * c if fused else CHANNEL_BYTES * c + STATE_BYTES * c * N
         forward = norm_add[0] + DIRECTIONS * per_direction + 10 * c
@@ -263,10 +262,14 @@ class CaduceusShape:
         return self.strands * (blocks + transformer_costs.outside_bytes(self._head_shape(1), fused))
 
     def tensor_parallel_traffic(self, micro: int, seq: int, act_bytes: int, policy: str) -> tuple[int, int]:
-        """No tensor parallelism (the family refuses it): no all-reduces."""
-        return 0, 0
-
-
-def _tensor_parallel_refused(tp: int) -> None:
-    if tp != 1:
-        raise ValueError(f"tensor parallelism of {tp} ranks is not implemented for --model.family=caduceus")
+        """(all-reduces per micro batch, bytes each, on average) of mamba.py's layout, over the strands' M tokens: per
+        block forward out_proj's (M x d) and each direction's x_proj (M x (r + 2N)), backward in_proj's input
+        gradient (M x d) and each direction's dt_proj input (M x r) and B, C (M x 2N) gradients; full and every_k
+        rerun the forward's. The head's logit gather (M x padded vocabulary / tp, an all-gather) is left out."""
+        M, d, small = self.strands * micro * seq, self.d_model, self.dt_rank + 2 * self.state_size
+        forward = (1 + DIRECTIONS, d + DIRECTIONS * small)  # (count, elements per token)
+        backward = (1 + 2 * DIRECTIONS, d + DIRECTIONS * small)
+        runs = 2 if policy in ("full", "every_k") else 1
+        count = self.n_layer * (runs * forward[0] + backward[0])
+        elements = self.n_layer * (runs * forward[1] + backward[1]) * M
+        return count, elements * act_bytes // max(count, 1)

@@ -6,7 +6,9 @@ One direction (MambaCore), with c = ssm_expand x d_model inner channels, N = sta
     u (b, T, c) -> depthwise causal conv1d of k taps with bias -> SiLU -> x_proj (c -> r + 2N) = (dt, B, C)
     -> dt_proj (r -> c) -> selective scan (scan.py; softplus(dt + dt_bias), A = -exp(A_log), D) -> y (b, T, c)
 
-The mixer (MambaMixer): in_proj (d -> 2c) gives (u, z); y = core_fwd(u) + flip_T(core_rev(flip_T(u))) (the reverse
+The mixer (MambaMixer): in_proj (d -> 2c) gives (u, z), its rows interleaved per channel (u_0, z_0, u_1, z_1, ...:
+row 2i is mamba_simple's row i, row 2i + 1 its row c + i, so that any contiguous block of rows, a tensor-parallel
+rank's, holds the u and z of the same channels); y = core_fwd(u) + flip_T(core_rev(flip_T(u))) (the reverse
 direction reads the sequence backwards; Mamba's in_proj of the flipped input is the flipped in_proj output, so one
 in_proj call serves both), then out_proj(y * SiLU(z)) (c -> d). in_proj and out_proj are shared by the two
 directions: one module each, called once per forward (Caduceus ties the reverse Mamba's to the forward's; the gate
@@ -20,6 +22,11 @@ Initialisation (Mamba's): dt_proj's weight U(-r^-1/2, r^-1/2), dt_bias the inver
 log-uniformly in [1e-3, 1e-1] (floored at 1e-4), A_log = log(1..N) per channel (S4D-real), D = 1, the conv taps and
 bias U(-1/sqrt(k), 1/sqrt(k)) (torch's Conv1d default); the model (model.py) draws the other linears. A_log and D
 take no weight decay (no_weight_decay, read by BlockStack.param_groups), as in Mamba.
+
+Tensor parallelism (Megatron's layout over the c channels, both directions alike): in_proj column-parallel (each
+rank its channels' u and z), the conv, dt_bias, A_log and D split by channel, x_proj row-parallel (dt, B, C
+all-reduced), dt_proj column-parallel, out_proj row-parallel; per block and direction one all-reduce forward (x_proj)
+and two backward (dt_proj's and B, C's input gradients), plus out_proj's forward and in_proj's backward.
 """
 
 from __future__ import annotations
@@ -45,41 +52,52 @@ def dt_rank(cfg: ModelConfig) -> int:
 
 
 class MambaCore(nn.Module):
-    """One direction of the mixer: conv, SiLU, x_proj, dt_proj and the selective scan over u (b, T, c)."""
+    """One direction of the mixer: conv, SiLU, x_proj, dt_proj and the selective scan over u (b, T, c).
+
+    Under tensor parallelism (the layer factory's) each rank holds a block of the c channels: the conv taps and
+    bias, dt_bias, A_log and D by channel (layers.channels), x_proj row-parallel (its output dt, B, C all-reduced:
+    every channel reads all of B and C, whose gradient enter_region sums over the ranks), dt_proj column-parallel."""
 
     def __init__(self, cfg: ModelConfig, layers):
         super().__init__()
         c, N, k, r = cfg.ssm_expand * cfg.d_model, cfg.state_size, cfg.ssm_conv_len, dt_rank(cfg)
-        self.sizes = (r, N, N)
-        self.conv_weight = layers.channels(torch.empty(c, k))  # (c, k): tap j multiplies u_{t - k + 1 + j}
-        self.conv_bias = layers.channels(torch.empty(c))
+        self.sizes = (r, 2 * N)
+        # Built (and drawn) in Mamba's order: the linears' construction, then reset_parameters' draws of the conv,
+        # dt_proj and the step at the dense shapes; each rank keeps its channels' slice (the same seed: the same
+        # weights under any factory). A module's own parameters come before its submodules' in any case.
         self.x_proj = layers.row(c, r + 2 * N)
         self.dt_proj = layers.column(r, c)
-        self.dt_bias = layers.channels(torch.empty(c))
-        self.A_log = layers.channels(torch.empty(c, N))
-        self.D = layers.channels(torch.empty(c))
+        self.enter = layers.enter_region()  # B and C enter the channels' region
+        dense = self.initial_values(c, k, r, N)
+        self.conv_weight = layers.channels(dense["conv_weight"])  # (c, k): tap j multiplies u_{t - k + 1 + j}
+        self.conv_bias = layers.channels(dense["conv_bias"])
+        self.dt_bias = layers.channels(dense["dt_bias"])
+        self.A_log = layers.channels(dense["A_log"])
+        self.D = layers.channels(dense["D"])
+        with torch.no_grad():
+            self.dt_proj.weight.copy_(layers.channels(dense["dt_proj"], parameter=False))
         self.A_log.no_weight_decay = True
         self.D.no_weight_decay = True
         # Selective checkpointing (CaduceusBlock.set_recompute): fn(function, *args) reruns the scan in backward,
         # keeping only its inputs instead of its (b, T, c, N) float32 states. None: keep what it saves.
         self.recompute: Callable | None = None
-        self.reset_parameters()
 
+    @staticmethod
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Mamba's initialisation of the conv, the step projection, A and D (module docstring)."""
-        c, k = self.conv_weight.shape
+    def initial_values(c: int, k: int, r: int, N: int) -> dict[str, torch.Tensor]:
+        """Mamba's initialisation of the conv, the step projection, A and D at the dense shapes (module docstring)."""
         bound = 1 / math.sqrt(k)
-        self.conv_weight.uniform_(-bound, bound)
-        self.conv_bias.uniform_(-bound, bound)
-        r = self.sizes[0]
-        nn.init.uniform_(self.dt_proj.weight, -(r**-0.5), r**-0.5)
+        out = {
+            "conv_weight": torch.empty(c, k).uniform_(-bound, bound),
+            "conv_bias": torch.empty(c).uniform_(-bound, bound),
+        }
+        out["dt_proj"] = torch.empty(c, r).uniform_(-(r**-0.5), r**-0.5)
         step = torch.exp(torch.rand(c) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
         step = step.clamp(min=DT_FLOOR)
-        self.dt_bias.copy_(step + torch.log(-torch.expm1(-step)))  # softplus(dt_bias) = step
-        N = self.A_log.shape[1]
-        self.A_log.copy_(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).expand(c, N))
-        self.D.fill_(1.0)
+        out["dt_bias"] = step + torch.log(-torch.expm1(-step))  # softplus(dt_bias) = step
+        out["A_log"] = torch.log(torch.arange(1, N + 1, dtype=torch.float32)).expand(c, N).contiguous()
+        out["D"] = torch.ones(c)
+        return out
 
     def conv(self, u: torch.Tensor) -> torch.Tensor:
         """The depthwise causal convolution of u (b, T, c) with bias: (b, T, c), position t reads t - k + 1 .. t."""
@@ -90,7 +108,8 @@ class MambaCore(nn.Module):
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         x = F.silu(self.conv(u))  # (b, T, c)
-        dt, B, C = self.x_proj(x).split(self.sizes, dim=-1)  # (b, T, r), (b, T, N), (b, T, N)
+        dt, BC = self.x_proj(x).split(self.sizes, dim=-1)  # (b, T, r), (b, T, 2N)
+        B, C = self.enter(BC).chunk(2, dim=-1)  # (b, T, N) each
         dt = self.dt_proj(dt)  # (b, T, c)
         scan = selective_scan
         if self.recompute is not None and torch.is_grad_enabled():
@@ -104,7 +123,7 @@ class MambaMixer(nn.Module):
     def __init__(self, cfg: ModelConfig, layers, bidirectional: bool = True):
         super().__init__()
         c = cfg.ssm_expand * cfg.d_model
-        self.in_proj = layers.column(cfg.d_model, 2 * c)
+        self.in_proj = layers.column(cfg.d_model, 2 * c)  # rows per channel: (u_0, z_0, u_1, z_1, ...)
         self.fwd = MambaCore(cfg, layers)
         self.rev = MambaCore(cfg, layers) if bidirectional else None
         self.out_proj = layers.row(c, cfg.d_model)
@@ -113,7 +132,7 @@ class MambaMixer(nn.Module):
         return [self.fwd] if self.rev is None else [self.fwd, self.rev]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u, z = self.in_proj(x).chunk(2, dim=-1)  # (b, T, c) each
+        u, z = self.in_proj(x).unflatten(-1, (-1, 2)).unbind(-1)  # (b, T, c) each: the rows interleave u and z
         y = self.fwd(u)  # (b, T, c)
         if self.rev is not None:
             y = y + self.rev(u.flip(1)).flip(1)  # the reverse direction, read backwards and flipped back

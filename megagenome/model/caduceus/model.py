@@ -35,8 +35,10 @@ from megagenome.model.stack import BlockStack, padded_vocab_size
 class CaduceusLM(BlockStack):
     """A Caduceus masked language model for single-nucleotide DNA tokens (module docstring).
 
-    layers: the layer factory (model/layers.py); only a whole model (DenseLayers) runs for now: the family refuses
-    tensor parallelism (family.py)."""
+    layers: the layer factory (model/layers.py): DenseLayers, or TensorParallelLayers for one tensor-parallel rank's
+    shard (mamba.py's layout; the embedding vocabulary-parallel, the tied head sharded alike but its logits gathered:
+    the strand mapping permutes the vocabulary across the ranks' blocks, so the loss is the dense one on the whole
+    logits, (2B, T, padded) on every rank)."""
 
     context_limit = "the cost model and the plan are sized to it; a Mamba model has no position table"
 
@@ -53,11 +55,11 @@ class CaduceusLM(BlockStack):
         self.embed = layers.embedding(self.padded_vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(CaduceusBlock(cfg, layers) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=self.embed if cfg.tie_embeddings else None)
+        tied = self.embed if cfg.tie_embeddings else None
+        self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=tied, gather=True)
         self.register_buffer("complement", rc.complement_index(self.padded_vocab_size), persistent=False)
         self.finish_init(layers)
-        if self.token_loss is not None:
-            raise ValueError("--model.family=caduceus runs whole on each rank: no vocabulary-parallel head")
+        self.token_loss = None  # the head gathers its logits: cross entropy of the whole logits
         self._init_weights()
 
     def _init_weights(self) -> None:

@@ -88,11 +88,6 @@ def receptive_field(kernel_sizes, dilation_schedule) -> int:
     return 1 + sum(r * (k - 1) for k, r in zip(kernel_sizes, dilation_schedule, strict=True))
 
 
-def _whole(tp: int) -> None:
-    if tp != 1:
-        raise ValueError(f"tensor parallelism ({tp} ranks) is not implemented for --model.family=gpn")
-
-
 @dataclass(frozen=True)
 class GPNShape:
     """The gpn family's cost model: the config's shape plus the vocabulary (data-dependent)."""
@@ -138,19 +133,19 @@ class GPNShape:
 
     # ----- parameters ----------------------------------------------------------------------------------------------
 
-    def block_table(self, i: int) -> list[tuple[tuple[int, ...], bool]]:
-        """(shape, decays) of block i's parameters in model order."""
+    def block_table(self, i: int, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
+        """(shape one of `tp` tensor-parallel ranks holds, decays) of block i's parameters in model order: the
+        convolution's and ffn_up's output channels, conv_out's and ffn_down's inputs split (model.py)."""
         d, f = self.d_model, self.d_ff
-        conv = [((d,), False), ((d, d, self.kernels[i]), True), ((d, d), True)]
-        return [*conv, ((d,), False), ((f, d), True), ((d, f), True)]
+        conv = [((d,), False), ((d // tp, d, self.kernels[i]), True), ((d, d // tp), True)]
+        return [*conv, ((d,), False), ((f // tp, d), True), ((d, f // tp), True)]
 
     def param_table(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool, bool]]:
         """(shape, decays, is a vocabulary matrix) of each parameter tensor in model order (module docstring)."""
-        _whole(tp)
         d = self.d_model
-        out = [(s, decays, False) for i in range(self.n_layer) for s, decays in self.block_table(i)]
-        out += [((d,), False, False), ((d, d), True, False), ((d,), False, False)]
-        return [*out, ((self.padded_vocab, d), True, True)]
+        out = [(s, decays, False) for i in range(self.n_layer) for s, decays in self.block_table(i, tp)]
+        out += [((d,), False, False), ((d, d), True, False), ((d,), False, False)]  # replicated head transform
+        return [*out, ((self.padded_vocab // tp, d), True, True)]
 
     def param_numels(self, tp: int = 1) -> list[int]:
         return [math.prod(s) for s, _, _ in self.param_table(tp)]
@@ -169,8 +164,7 @@ class GPNShape:
 
     def block_params(self, tp: int = 1) -> int:
         """Parameters of the largest block (what ZeRO-3 gathers at once): the one with the longest kernel."""
-        _whole(tp)
-        return max((sum(math.prod(s) for s, _ in self.block_table(i)) for i in range(self.n_layer)), default=0)
+        return max((sum(math.prod(s) for s, _ in self.block_table(i, tp)) for i in range(self.n_layer)), default=0)
 
     # ----- FLOPs ---------------------------------------------------------------------------------------------------
 
@@ -218,24 +212,29 @@ class GPNShape:
 
     # ----- activation and elementwise bytes ------------------------------------------------------------------------
 
-    def block_terms(self, i: int, seq: int, micro: int, e: int, mask_bytes: int | None = None) -> dict[str, int]:
-        """Bytes block i saves for backward without checkpointing, term by term (module docstring)."""
+    def block_terms(
+        self, i: int, seq: int, micro: int, e: int, mask_bytes: int | None = None, tp: int = 1
+    ) -> dict[str, int]:
+        """Bytes block i saves for backward without checkpointing, term by term (module docstring); under tensor
+        parallelism the convolution's output (GELU's input and output) and the feed-forward hold 1 / tp."""
         b, s, d = micro, seq, self.d_model
         n, m = b * s * d, e if mask_bytes is None else mask_bytes
         pad = self.dilations[i] * (self.kernels[i] - 1) % 2
         return {
             "norms": 2 * (n * e + 2 * b * s * e),
             "conv_input": b * d * (s + pad) * e,
-            "gelu_input": n * e,
-            "conv_out_input": n * e,
+            "gelu_input": n * e // tp,
+            "conv_out_input": n * e // tp,
             "ffn_up_input": n * e,
-            "feed_forward": 2 * b * s * self.d_ff * e,
+            "feed_forward": 2 * b * s * self.d_ff * e // tp,
             "dropout_masks": 2 * n * m if self.dropout > 0 else 0,
         }
 
-    def block_bytes(self, i: int, seq: int, micro: int, e: int, mask_bytes: int | None = None) -> tuple[int, int]:
+    def block_bytes(
+        self, i: int, seq: int, micro: int, e: int, mask_bytes: int | None = None, tp: int = 1
+    ) -> tuple[int, int]:
         """(what block i saves without checkpointing, what it keeps under selective checkpointing)."""
-        terms = self.block_terms(i, seq, micro, e, mask_bytes)
+        terms = self.block_terms(i, seq, micro, e, mask_bytes, tp)
         dropped = terms["conv_input"] + terms["gelu_input"] + 2 * micro * seq * e  # and the first norm's statistics
         return sum(terms.values()), sum(terms.values()) - dropped
 
@@ -254,9 +253,8 @@ class GPNShape:
         The attention kernel arguments the planner passes every family (kernel, math_bytes) do not apply."""
         if policy not in POLICIES:
             raise ValueError(f"checkpointing policy {policy!r}: must be one of {', '.join(POLICIES)}")
-        _whole(tp)
         e, layers = act_bytes, self.n_layer
-        per_block = [self.block_bytes(i, seq, micro, e, mask_bytes) for i in range(layers)]
+        per_block = [self.block_bytes(i, seq, micro, e, mask_bytes, tp) for i in range(layers)]
         blocks = [full for full, _ in per_block]
         block_input = micro * seq * self.d_model * e
         kept = {
@@ -280,15 +278,19 @@ class GPNShape:
 
     def elementwise_bytes_per_token(self, fused: bool, tp: int = 1, forward_runs: int = 1) -> float:
         """Bytes per token moved by elementwise work: every block's forward `forward_runs` times and its backward
-        once, plus the final norm, the head's transform and the loss (module docstring)."""
-        _whole(tp)
+        once, plus the final norm, the head's transform and the loss (module docstring). Under tensor parallelism
+        the GELUs' work (4d + 4f forward, 6d + 6f backward) is 1 / tp per rank; norms, copies and adds stay whole."""
         d, f = self.d_model, self.d_ff
         rates = FUSED_BYTES if fused else EAGER_BYTES
-        forward, backward = (a * d + c * f for a, c in (rates["forward"], rates["backward"]))
+        gelu = {"forward": 4, "backward": 6}
+        forward, backward = ((a - gelu[k]) * d + (gelu[k] * d + c * f) / tp for k, (a, c) in rates.items())
         outside = OUTSIDE_BYTES_PER_WIDTH * d + LOSS_BYTES_PER_VOCAB * self.padded_vocab
         return self.n_layer * (forward_runs * forward + backward) + outside
 
     def tensor_parallel_traffic(self, micro: int, seq: int, act_bytes: int, policy: str) -> tuple[int, int]:
-        """Tensor parallelism is not implemented for gpn: there is no traffic to price (the planner asks only above
-        one rank, which parallel/layout.py refuses before)."""
-        raise ValueError("tensor parallelism is not implemented for --model.family=gpn")
+        """(all-reduces per micro batch, bytes each): Megatron's MLP layout twice per block, two forward (conv_out,
+        ffn_down) and two backward (the convolution's and ffn_up's input gradients), two more per recomputed
+        forward (full, every_k; selective reruns the convolution only); each of b x s x d. The decoder's input
+        gradient and logit gather, once per micro batch, are left out."""
+        per_layer = 4 + (2 if policy in ("full", "every_k") else 0)
+        return self.n_layer * per_layer, micro * seq * self.d_model * act_bytes

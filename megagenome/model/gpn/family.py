@@ -1,8 +1,10 @@
 """The gpn family (layer L1): model/family.py's interface for GPNLM (model.py), GPN's dilated convolutional masked
 language model.
 
-What the rest of megagenome knows of it is answered here. It is a dense model on one rank: tensor, sequence and
-pipeline parallelism are refused before launch (parallel_rules, each with its reason), so partition_dims is empty.
+What the rest of megagenome knows of it is answered here. Tensor parallelism splits each block as Megatron's MLP
+(model.py: the convolution by output channels, conv_out row-parallel, ffn_up column-, ffn_down row-parallel) and
+the decoder by vocabulary rows (partition_dims); sequence and pipeline parallelism are refused before launch
+(parallel_rules, each with its reason).
 --model.tie_embeddings is ignored (tied_weights is empty): the one-hot embedding has no matrix to tie the decoder
 to, and refusing the flag's default would make every gpn config unset it for nothing. The planner's arithmetic is
 costs.py's GPNShape; INT8 export and LoRA take the blocks' linears.
@@ -10,8 +12,8 @@ costs.py's GPNShape; INT8 export and LoRA take the blocks' linears.
 
 from __future__ import annotations
 
-from megagenome.config import ModelConfig
-from megagenome.model.family import ModelFamily, ParallelRules
+from megagenome.config import ModelConfig, d_ff
+from megagenome.model.family import Divisible, ModelFamily, ParallelRules
 from megagenome.model.gpn.costs import GPNShape, dilations, kernels, receptive_field
 from megagenome.model.gpn.model import GPNLM
 from megagenome.model.stack import padded_vocab_size
@@ -25,7 +27,15 @@ class GPNFamily(ModelFamily):
     """gpn (the module docstring)."""
 
     name = "gpn"
-    partition_dims: dict[str, int] = {}
+    # Which dimension tensor parallelism splits, by state-dict key suffix: the convolution's and ffn_up's output
+    # channels, conv_out's and ffn_down's input columns, the decoder's vocabulary rows.
+    partition_dims = {
+        "conv.weight": 0,
+        "conv_out.weight": 1,
+        "ffn_up.weight": 0,
+        "ffn_down.weight": 1,
+        "lm_head.decoder.weight": 0,
+    }
 
     def build(self, cfg: ModelConfig, vocab_size: int, layers=None) -> GPNLM:
         return GPNLM(cfg, vocab_size, layers)
@@ -43,9 +53,15 @@ class GPNFamily(ModelFamily):
 
     def parallel_rules(self, cfg: ModelConfig, vocab_size: int) -> ParallelRules:
         halo = sum(r * (k - 1) for k, r in zip(kernels(cfg), dilations(cfg), strict=True)) // 2
+        rows = padded_vocab_size(vocab_size)
+        tensor = (
+            Divisible(f"--model.d_model={cfg.d_model}", cfg.d_model, ": each tensor-parallel rank holds a block of "
+                      "the convolutions' output channels"),
+            Divisible(f"the feed-forward width d_ff={d_ff(cfg)} (--model.d_ff, default 4 x d_model)", d_ff(cfg)),
+            Divisible(f"the padded vocabulary ({rows} rows)", rows, ": each tensor-parallel rank holds an equal block "
+                      "of the decoder's rows"),
+        )  # fmt: skip
         refused = {
-            "tensor": "tensor parallelism is not implemented for this family yet (its linears are made by the layer "
-            "factory, but the convolutions, the head's LayerNorm and the checkpoint layout are not split)",
             "sequence": "sequence parallelism would have each rank exchange the dilated convolutions' halos with "
             f"its neighbours at every block, up to {halo:,} positions on each side over the whole stack "
             "(sum of dilation x (kernel - 1) / 2); that exchange is not implemented",
@@ -53,7 +69,7 @@ class GPNFamily(ModelFamily):
         }
         classes = ("OneHotEmbedding", "ConvBlock", "LayerNorm", "MLMHead")
         return ParallelRules(
-            (),
+            tensor,
             (),
             ("--model.n_layer", cfg.n_layer, "gpn convolution block"),
             (classes, classes),
@@ -91,6 +107,13 @@ class GPNFamily(ModelFamily):
         """The linears of the blocks (conv_out, ffn_up, ffn_down). The convolutions are Conv1d, not linears, and
         stay in the model's dtype, as do the head (dense and decoder) and the norms."""
         return name.startswith("blocks.")
+
+    def huggingface(self, cfg: ModelConfig):
+        """The export's Hugging Face form: a masked LM of megagenome's weight names and remote code of its own
+        (hf.py), since transformers has no architecture that computes this model."""
+        from megagenome.model.gpn.hf import GPNForm
+
+        return GPNForm(cfg)
 
     def describe(self, cfg: ModelConfig) -> str:
         field = receptive_field(kernels(cfg), dilations(cfg))

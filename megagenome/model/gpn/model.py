@@ -18,9 +18,12 @@ dilations 1, 2, 4, ..., 128 repeated (a receptive field of 1 + 8 + 4 x 765 = 3,0
 receptive_field). Initialisation is GPN's _init_weights: every linear N(0, init_std), every LayerNorm scale 1; the
 convolutions keep torch's default (Kaiming uniform), as GPN's do.
 
-Tensor, sequence and pipeline parallelism are not implemented for this family (family.py parallel_rules refuses
-them before launch); the linears are made by the layer factory all the same (conv_out and ffn_down row-parallel,
-ffn_up column-parallel, Megatron's MLP layout) so that splitting the convolution's output channels can come later.
+Tensor parallelism (the layer factory's, Megatron's layout): the convolution column-parallel by output channels
+(its normalised input copied to the region), conv_out row-parallel (all-reduced), ffn_up column-parallel, ffn_down
+row-parallel: two all-reduces forward and two backward per block, as a transformer block's. The LayerNorms and the
+head's dense layer are replicated (its LayerNorm needs the whole width; a d x d matrix), the decoder is split by
+vocabulary rows and gathers its logits (the loss is the dense one). Sequence and pipeline parallelism are not
+implemented (family.py parallel_rules refuses them before launch).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class ConvBlock(nn.Module):
         d = cfg.d_model
         self.conv_norm = nn.LayerNorm(d, eps=cfg.norm_eps, bias=False)
         # "same": left padding dilation * (kernel - 1) // 2, the rest on the right (torch's rule, as GPN's).
-        self.conv = nn.Conv1d(d, d, kernel, dilation=dilation, padding="same", bias=False)
+        self.conv = layers.conv(d, d, kernel, dilation)  # Conv1d (d, d, kernel), or its block of output channels
         self.conv_out = layers.row(d, d)
         self.ffn_norm = nn.LayerNorm(d, eps=cfg.norm_eps, bias=False)
         self.ffn_up = layers.column(d, d_ff(cfg))
@@ -86,7 +89,8 @@ class ConvBlock(nn.Module):
         self.recompute = fn
 
     def convolve(self, x: torch.Tensor) -> torch.Tensor:
-        """GELU(conv(LayerNorm(x))): (B, T, d) -> (B, T, d); Conv1d runs over (B, d, T), transposed views."""
+        """GELU(conv(LayerNorm(x))): (B, T, d) -> (B, T, d) (d / tp under tensor parallelism); Conv1d runs over
+        (B, d, T), transposed views."""
         h = self.conv(self.conv_norm(x).transpose(1, 2))  # (B, d, T)
         return F.gelu(h.transpose(1, 2))  # (B, T, d)
 
@@ -105,10 +109,10 @@ class MLMHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rows: int, layers):
         super().__init__()
-        # Column-made, as the head's first matmul; its LayerNorm needs the whole width (no tensor parallelism yet).
-        self.dense = layers.column(cfg.d_model, cfg.d_model)
+        # Replicated under tensor parallelism: its LayerNorm needs the whole width.
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
-        self.decoder = layers.head(cfg.d_model, rows)
+        self.decoder = layers.head(cfg.d_model, rows, gather=True)  # split by rows, the whole logits gathered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.norm(F.gelu(self.dense(x))))  # (B, T, rows)
