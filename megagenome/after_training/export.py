@@ -7,15 +7,16 @@ sequence parallel, universal, consolidated by train/consolidate.py) or another e
 
     model.safetensors       the dense weights in --dtype: under its family's Hugging Face names where the family
                             has a Hugging Face form for the config (a causal transformer: Llama's,
-                            model/transformer/hf.py; the Hyena families: their own, model/hyena/hf.py), under the
-                            model's own state-dict names otherwise
+                            model/transformer/hf.py; the Hyena families, caduceus and gpn: their own,
+                            model/*/hf.py), under the model's own state-dict names otherwise
     config.json, generation_config.json, tokenizer.json, tokenizer_config.json, special_tokens_map.json
                             with a Hugging Face form only (hf_files.py): e.g. a `LlamaForCausalLM` and a
                             single-nucleotide tokenizer, so that
-                            `AutoModelForCausalLM.from_pretrained(DIR)` computes megagenome's logits
+                            `AutoModelForCausalLM.from_pretrained(DIR)` computes megagenome's logits (a masked
+                            LM's form: AutoModelForMaskedLM, and no generation_config.json)
     configuration_*.py, modeling_*.py
-                            a Hyena family's remote code (its architecture is not in transformers): loaded with
-                            `from_pretrained(DIR, trust_remote_code=True)`, torch and transformers only
+                            a Hyena, caduceus or gpn model's remote code (its architecture is not in transformers):
+                            loaded with `from_pretrained(DIR, trust_remote_code=True)`, torch and transformers only
     megagenome.json         the manifest (weights.py EXPORT_MANIFEST, its presence marks an export directory): the
                             ModelConfig, format version, source run and checkpoint, dtype, int8 measurements
     model_int8.pt           with --quantize int8: the int8 model (quantize.py says how it is stored and loaded)
@@ -75,7 +76,7 @@ def main(ns) -> int:
     print(f"megagenome: exported {source['checkpoint']} (step {source['step']}) to {ns.output}")
     if manifest["huggingface"]:
         trust = _trust(manifest)
-        loads = f"AutoModelForCausalLM.from_pretrained({ns.output!r}{trust})"
+        loads = f"{_auto_class(manifest)}.from_pretrained({ns.output!r}{trust})"
         print(f"  {loads} / AutoTokenizer.from_pretrained(...{trust})")
     if "int8" in manifest:
         q = manifest["int8"]
@@ -270,7 +271,9 @@ def model_card(manifest: dict) -> str:
         "",
         "```python",
     ]
-    if manifest["huggingface"]:
+    if manifest["huggingface"] and _auto_class(manifest) != hf_files.CAUSAL_LM:
+        lines += _masked_use(manifest)
+    elif manifest["huggingface"]:
         lines += [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             f'tok = AutoTokenizer.from_pretrained("DIR"{_trust(manifest)})',
@@ -317,12 +320,34 @@ def _task_card(t: dict) -> list[str]:
     return lines
 
 
+def _masked_use(manifest: dict) -> list[str]:
+    """The model card's Hugging Face lines for a masked LM's form (its auto_class): the logits of a masked base."""
+    auto, trust = _auto_class(manifest), _trust(manifest)
+    return [
+        f"from transformers import {auto}, AutoTokenizer",
+        f'tok = AutoTokenizer.from_pretrained("DIR"{trust})',
+        f'model = {auto}.from_pretrained("DIR"{trust})  # DIR: this directory',
+        'ids = tok("ACGT<mask>ACGT", return_tensors="pt").input_ids',
+        "probs = model(ids).logits[0, 4].softmax(-1)  # the masked base's distribution over the tokens",
+    ]
+
+
+def _form(manifest: dict):
+    """The Hugging Face form of the manifest's model config (its family's), or None."""
+    cfg = ModelConfig(**manifest["model"])
+    return family_of(cfg).huggingface(cfg)
+
+
+def _auto_class(manifest: dict) -> str:
+    """The transformers Auto class an export in a Hugging Face form loads with (hf_files.auto_class)."""
+    return hf_files.auto_class(_form(manifest))
+
+
 def _trust(manifest: dict) -> str:
     """The from_pretrained argument an export in a Hugging Face form needs: trust_remote_code=True where the form's
     architecture is code the export carries (hf_files.remote_code), for the tokenizer too (AutoTokenizer reads
     config.json, whose auto_map names that code, and would otherwise ask at the terminal)."""
-    cfg = ModelConfig(**manifest["model"])
-    return ", trust_remote_code=True" if hf_files.remote_code(family_of(cfg).huggingface(cfg)) else ""
+    return ", trust_remote_code=True" if hf_files.remote_code(_form(manifest)) else ""
 
 
 def _shape(m: dict) -> str:

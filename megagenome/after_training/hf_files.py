@@ -6,7 +6,9 @@ megagenome's (data/tokenizer.py), so that `megagenome export` needs neither tran
 A form whose architecture transformers does not have (the Hyena families', model/hyena/hf.py) carries it as remote
 code: its `code_files()` are written beside config.json (whose auto_map names them) and its `trust_remote_code` is
 True, so the load line says `trust_remote_code=True`. A form without them (the transformer's Llama) is an
-architecture of transformers itself.
+architecture of transformers itself. A form loads with AutoModelForCausalLM unless its `auto_class` says otherwise
+(the masked LMs' forms, model/caduceus/hf.py and model/gpn/hf.py: AutoModelForMaskedLM); only a causal LM's export
+has a generation_config.json (a masked LM does not generate).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import AMBIGUOUS, PAD_ID, VOCAB, VOCAB_SIZE
 
 SPECIAL = VOCAB[: VOCAB.index("A")]  # <pad> <mask> <sep>: never generated
+CAUSAL_LM = "AutoModelForCausalLM"  # the Auto class of a form that names none
 
 
 def generation_config() -> dict:
@@ -73,16 +76,23 @@ def remote_code(form) -> bool:
     return bool(getattr(form, "trust_remote_code", False))
 
 
+def auto_class(form) -> str:
+    """The transformers Auto class that loads the form's export: its `auto_class` (AutoModelForMaskedLM for a masked
+    LM), AutoModelForCausalLM when it names none (Llama, the Hyena families)."""
+    return getattr(form, "auto_class", CAUSAL_LM)
+
+
 def write_hf_files(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, form) -> list[str]:
     """Write the config of the Hugging Face form `form` (the family's), its remote code if it has any, the
-    generation config and the tokenizer files into out_dir; their names."""
+    generation config (a causal LM's) and the tokenizer files into out_dir; their names."""
     code = form.code_files() if remote_code(form) else {}
     for name, text in code.items():
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as fh:
             fh.write(text)
-    files = {
-        "config.json": form.config(dtype, VOCAB_SIZE, PAD_ID),
-        "generation_config.json": generation_config(),
+    files = {"config.json": form.config(dtype, VOCAB_SIZE, PAD_ID)}
+    if auto_class(form) == CAUSAL_LM:
+        files["generation_config.json"] = generation_config()
+    files |= {
         "tokenizer.json": tokenizer_json(),
         "tokenizer_config.json": tokenizer_config(cfg),
         "special_tokens_map.json": {"pad_token": "<pad>", "mask_token": "<mask>", "sep_token": "<sep>"},

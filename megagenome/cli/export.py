@@ -17,8 +17,9 @@ def parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="megagenome export",
         description="Consolidate a run (any checkpoint layout) into a model directory: model.safetensors, "
-        "megagenome.json and a model card; for a causal model also a Hugging Face LlamaForCausalLM (config.json, "
-        "generation_config.json) and a single-nucleotide tokenizer (tokenizer.json). An existing --output is "
+        "megagenome.json and a model card; for a causal transformer also a Hugging Face LlamaForCausalLM "
+        "(config.json, generation_config.json), for the other families a Hugging Face model with its own code "
+        "(trust_remote_code), and a single-nucleotide tokenizer (tokenizer.json). An existing --output is "
         "refused. Start a new run from the directory with --model.init_from.",
     )
     model_source(parser)
