@@ -17,30 +17,27 @@ import pathlib
 
 import torch
 
-from megagenome.config import ModelConfig, d_ff
+from megagenome.config import d_ff
 from megagenome.model.gpn.costs import dilations, kernels
+from megagenome.model.hf_form import PREFIX, RemoteCodeForm, pad_rows
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.hf import DTYPE_NAMES
 
-REMOTE_CODE = pathlib.Path(__file__).parent / "hf_remote"
-CONFIGURATION = "configuration_megagenome_gpn"
-MODELING = "modeling_megagenome_gpn"
-PREFIX = "model."  # the Hugging Face model's base model (blocks, norm); lm_head beside it
 HEAD = "lm_head."
 DECODER = "lm_head.decoder.weight"  # the one vocabulary matrix
 
 
-class GPNForm:
+class GPNForm(RemoteCodeForm):
     """The Hugging Face form of a gpn export (model/family.py ModelFamily.huggingface): megagenome's weights, the
-    head's as they are and the rest under `model.`, config.json naming the remote code, and back."""
+    head's as they are and the rest under `model.`, config.json naming the remote code, and back (model/hf_form.py;
+    the weight names its own: there is no embedding matrix, and the head has more than one)."""
 
-    weight_names = "megagenome-gpn"  # megagenome.json's "weight_names" of an export in this form
+    weight_names = "megagenome-gpn"
     architecture = "MegagenomeGPNForMaskedLM"
-    auto_class = "AutoModelForMaskedLM"  # a masked LM (after_training/hf_files.py auto_class)
-    trust_remote_code = True  # the architecture is the export's own code (code_files), not transformers'
-
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
+    auto_class = "AutoModelForMaskedLM"  # a masked LM
+    remote_code = pathlib.Path(__file__).parent / "hf_remote"
+    configuration = "configuration_megagenome_gpn"
+    modeling = "modeling_megagenome_gpn"
 
     def to_hf(self, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
         """The Hugging Face model's state dict (contiguous) of a dense GPNLM state dict."""
@@ -58,10 +55,7 @@ class GPNForm:
         if DECODER not in weights:
             raise KeyError(f"the weights lack {DECODER}")
         state = {k.removeprefix(PREFIX): v for k, v in weights.items() if k.startswith((PREFIX, HEAD))}
-        decoder = state[DECODER]
-        rows = padded_vocab_size(vocab_size)
-        if decoder.size(0) < rows:
-            state[DECODER] = torch.cat([decoder, decoder.new_zeros(rows - decoder.size(0), decoder.size(1))])
+        state[DECODER] = pad_rows(state[DECODER], padded_vocab_size(vocab_size))
         return state
 
     def config(self, dtype: torch.dtype, vocab_size: int, pad_token_id: int) -> dict:
@@ -71,10 +65,7 @@ class GPNForm:
         return {
             "architectures": [self.architecture],
             "model_type": "megagenome_gpn",
-            "auto_map": {
-                "AutoConfig": f"{CONFIGURATION}.MegagenomeGPNConfig",
-                self.auto_class: f"{MODELING}.{self.architecture}",
-            },
+            "auto_map": self.auto_map("MegagenomeGPNConfig"),
             "megagenome_family": cfg.family,
             "vocab_size": vocab_size,
             "hidden_size": cfg.d_model,
@@ -92,8 +83,3 @@ class GPNForm:
             "pad_token_id": pad_token_id,
             "dtype": DTYPE_NAMES[dtype],
         }
-
-    def code_files(self) -> dict[str, str]:
-        """{file name: text} of the remote code the export directory carries (config.json's auto_map names them)."""
-        names = [f"{name}.py" for name in (CONFIGURATION, MODELING)]
-        return {name: (REMOTE_CODE / name).read_text(encoding="utf-8") for name in names}

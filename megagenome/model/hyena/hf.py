@@ -17,52 +17,21 @@ import pathlib
 
 import torch
 
-from megagenome.config import ModelConfig, d_ff, layer_kinds
-from megagenome.model.stack import padded_vocab_size
+from megagenome.config import d_ff, layer_kinds
+from megagenome.model.hf_form import RemoteCodeForm
 from megagenome.model.transformer.blocks import rope_original_max_len
 from megagenome.model.transformer.hf import DTYPE_NAMES
 
-REMOTE_CODE = pathlib.Path(__file__).parent / "hf_remote"
-CONFIGURATION = "configuration_megagenome_hyena"
-MODELING = "modeling_megagenome_hyena"
-PREFIX = "model."  # the Hugging Face model's base model (embed, blocks, norm); lm_head beside it
 
-
-class HyenaForm:
+class HyenaForm(RemoteCodeForm):
     """The Hugging Face form of a Hyena or StripedHyena 2 export (model/family.py ModelFamily.huggingface):
-    megagenome's weights under `model.`, config.json naming the remote code, and back."""
+    megagenome's weights under `model.`, config.json naming the remote code, and back (model/hf_form.py)."""
 
-    weight_names = "megagenome-hyena"  # megagenome.json's "weight_names" of an export in this form
+    weight_names = "megagenome-hyena"
     architecture = "MegagenomeHyenaForCausalLM"
-    trust_remote_code = True  # the architecture is the export's own code (code_files), not transformers'
-
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
-
-    def to_hf(self, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-        """The Hugging Face model's state dict (contiguous, no shared tensors) of a dense HyenaLM state dict."""
-        out = {}
-        for name, weight in state.items():
-            if name == "lm_head.weight":
-                if not self.cfg.tie_embeddings:
-                    out[name] = weight[:vocab_size]
-            else:
-                out[PREFIX + name] = weight[:vocab_size] if name == "embed.weight" else weight
-        return {k: v.contiguous() for k, v in out.items()}
-
-    def from_hf(self, weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-        """HyenaLM's dense state dict of weights written by to_hf: the vocabulary rows padded back with zeros,
-        lm_head.weight the embedding when tied (the caller checks every name and shape against the config)."""
-        if PREFIX + "embed.weight" not in weights:
-            raise KeyError(f"the weights lack {PREFIX}embed.weight")
-        rows = padded_vocab_size(vocab_size)
-        state = {k.removeprefix(PREFIX): v for k, v in weights.items() if k.startswith(PREFIX)}
-        state["embed.weight"] = _pad_rows(state["embed.weight"], rows)
-        if self.cfg.tie_embeddings:
-            state["lm_head.weight"] = state["embed.weight"]
-        elif "lm_head.weight" in weights:
-            state["lm_head.weight"] = _pad_rows(weights["lm_head.weight"], rows)
-        return state
+    remote_code = pathlib.Path(__file__).parent / "hf_remote"
+    configuration = "configuration_megagenome_hyena"
+    modeling = "modeling_megagenome_hyena"
 
     def config(self, dtype: torch.dtype, vocab_size: int, pad_token_id: int) -> dict:
         """config.json: MegagenomeHyenaConfig's fields (hf_remote/configuration_megagenome_hyena.py) of `cfg`, and
@@ -71,10 +40,7 @@ class HyenaForm:
         return {
             "architectures": [self.architecture],
             "model_type": "megagenome_hyena",
-            "auto_map": {
-                "AutoConfig": f"{CONFIGURATION}.MegagenomeHyenaConfig",
-                "AutoModelForCausalLM": f"{MODELING}.{self.architecture}",
-            },
+            "auto_map": self.auto_map("MegagenomeHyenaConfig"),
             "megagenome_family": cfg.family,
             "vocab_size": vocab_size,
             "hidden_size": cfg.d_model,
@@ -101,14 +67,3 @@ class HyenaForm:
             "pad_token_id": pad_token_id,
             "dtype": DTYPE_NAMES[dtype],
         }
-
-    def code_files(self) -> dict[str, str]:
-        """{file name: text} of the remote code the export directory carries (config.json's auto_map names them)."""
-        names = [f"{name}.py" for name in (CONFIGURATION, MODELING)]
-        return {name: (REMOTE_CODE / name).read_text(encoding="utf-8") for name in names}
-
-
-def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    if weight.size(0) >= rows:
-        return weight
-    return torch.cat([weight, weight.new_zeros(rows - weight.size(0), *weight.shape[1:])])

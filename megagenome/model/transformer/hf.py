@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig, d_ff
+from megagenome.model.hf_form import pad_rows
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.blocks import (
     YARN_BETA_FAST,
@@ -66,10 +67,10 @@ def from_llama(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int
         raise KeyError(f"the Llama weights lack {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
     rows = padded_vocab_size(vocab_size)
     out = {
-        "embed.weight": _pad_rows(state["model.embed_tokens.weight"], rows),
+        "embed.weight": pad_rows(state["model.embed_tokens.weight"], rows),
         "norm.weight": state["model.norm.weight"],
     }
-    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_embeddings else _pad_rows(state["lm_head.weight"], rows)
+    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_embeddings else pad_rows(state["lm_head.weight"], rows)
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         for name, llama in BLOCK_NAMES.items():
@@ -85,12 +86,6 @@ def _llama_names(cfg: ModelConfig) -> list[str]:
         names += [f"model.layers.{i}.{n}" for n in BLOCK_NAMES.values()]
         names += [f"model.layers.{i}.self_attn.{p}.weight" for p in QKV]
     return names
-
-
-def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    if weight.size(0) >= rows:
-        return weight
-    return torch.cat([weight, weight.new_zeros(rows - weight.size(0), *weight.shape[1:])])
 
 
 def llama_config(cfg: ModelConfig, dtype: torch.dtype, vocab_size: int, pad_token_id: int) -> dict:
