@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from megagenome.config import ModelConfig
 from megagenome.model.caduceus.mamba import dt_rank
+from megagenome.model.param_table import ParamTable
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer import costs as transformer_costs
 
@@ -63,7 +64,7 @@ CHANNEL_BYTES, STATE_BYTES = 28, 40
 
 
 @dataclass(frozen=True)
-class CaduceusShape:
+class CaduceusShape(ParamTable):
     """The caduceus family's cost model: the config's shape plus the vocabulary (data-dependent)."""
 
     family: str
@@ -128,21 +129,6 @@ class CaduceusShape:
             out += [(s, decays, False) for s, decays in self.block_table(tp)]
         out.append(((self.d_model,), False, False))
         return out if self.tie_embeddings else [*out, vocab]
-
-    def param_numels(self, tp: int = 1) -> list[int]:
-        return [math.prod(s) for s, _, _ in self.param_table(tp)]
-
-    def param_groups(self, tp: int = 1) -> tuple[list[int], list[int]]:
-        """Elements of the parameters in the optimizer's two groups (decay, no decay), in model order."""
-        table = self.param_table(tp)
-        return [math.prod(s) for s, d, _ in table if d], [math.prod(s) for s, d, _ in table if not d]
-
-    def param_shapes(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
-        """(shape, is a hidden matrix: 2-D and not a vocabulary matrix) of each parameter (train/optimizers.py)."""
-        return [(s, len(s) == 2 and not vocab) for s, _, vocab in self.param_table(tp)]
-
-    def n_params(self, tp: int = 1) -> int:
-        return sum(self.param_numels(tp))
 
     def block_params(self, tp: int = 1) -> int:
         return sum(math.prod(s) for s, _ in self.block_table(tp))

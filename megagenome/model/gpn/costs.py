@@ -60,6 +60,7 @@ import math
 from dataclasses import dataclass
 
 from megagenome.config import ModelConfig, d_ff
+from megagenome.model.param_table import ParamTable
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.costs import LOSS_BYTES_PER_VOCAB, POLICIES
 
@@ -89,7 +90,7 @@ def receptive_field(kernel_sizes, dilation_schedule) -> int:
 
 
 @dataclass(frozen=True)
-class GPNShape:
+class GPNShape(ParamTable):
     """The gpn family's cost model: the config's shape plus the vocabulary (data-dependent)."""
 
     d_model: int
@@ -146,21 +147,6 @@ class GPNShape:
         out = [(s, decays, False) for i in range(self.n_layer) for s, decays in self.block_table(i, tp)]
         out += [((d,), False, False), ((d, d), True, False), ((d,), False, False)]  # replicated head transform
         return [*out, ((self.padded_vocab // tp, d), True, True)]
-
-    def param_numels(self, tp: int = 1) -> list[int]:
-        return [math.prod(s) for s, _, _ in self.param_table(tp)]
-
-    def param_groups(self, tp: int = 1) -> tuple[list[int], list[int]]:
-        """Elements of the parameters in the optimizer's two groups (decay, no decay), in model order."""
-        table = self.param_table(tp)
-        return [math.prod(s) for s, d, _ in table if d], [math.prod(s) for s, d, _ in table if not d]
-
-    def param_shapes(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
-        """(shape, is a hidden matrix: 2-D and not the decoder, what Muon takes; the 3-D convolutions are not)."""
-        return [(s, len(s) == 2 and not vocab) for s, _, vocab in self.param_table(tp)]
-
-    def n_params(self, tp: int = 1) -> int:
-        return sum(self.param_numels(tp))
 
     def block_params(self, tp: int = 1) -> int:
         """Parameters of the largest block (what ZeRO-3 gathers at once): the one with the longest kernel."""

@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 from megagenome.config import ModelConfig, d_ff, layer_kinds
 from megagenome.model.hyena import activations
 from megagenome.model.hyena.operators import DIRECT_MAX_TAPS
+from megagenome.model.param_table import ParamTable
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer import flops as transformer_flops
 
@@ -71,7 +72,7 @@ PER_MICRO_BATCH_TERMS = ("filter_fft", "filter_mlp", "filter")
 
 
 @dataclass(frozen=True)
-class HyenaShape:
+class HyenaShape(ParamTable):
     """The Hyena families' cost model: the config's shape plus the vocabulary (data-dependent)."""
 
     family: str
@@ -141,23 +142,6 @@ class HyenaShape:
         """(shape one of `tp` tensor-parallel ranks holds, decays, is a vocabulary matrix) of each parameter tensor in
         model order (module docstring)."""
         return param_table(self, tp)
-
-    def param_numels(self, tp: int = 1) -> list[int]:
-        """Elements of each parameter tensor one of `tp` tensor-parallel ranks holds, in model order."""
-        return [math.prod(s) for s, _, _ in self.param_table(tp)]
-
-    def param_groups(self, tp: int = 1) -> tuple[list[int], list[int]]:
-        """Elements of the parameters in the optimizer's two groups (decay, no decay), in model order."""
-        table = self.param_table(tp)
-        return [math.prod(s) for s, d, _ in table if d], [math.prod(s) for s, d, _ in table if not d]
-
-    def param_shapes(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
-        """(shape, is a hidden matrix: 2-D and not a vocabulary matrix, what Muon takes) of each parameter a rank
-        holds: what optimizer-state bytes depend on (train/optimizers.py tag_muon's rule)."""
-        return [(s, len(s) == 2 and not vocab) for s, _, vocab in self.param_table(tp)]
-
-    def n_params(self, tp: int = 1) -> int:
-        return sum(self.param_numels(tp))
 
     def block_params(self, tp: int = 1) -> int:
         """Parameters of the largest block (what ZeRO-3 gathers at once)."""
