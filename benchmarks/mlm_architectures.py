@@ -1,0 +1,392 @@
+"""Masked DNA LMs on the bundled E. coli genome (MLM transformer, GPN, Caduceus RC-PS and post hoc), and BRCA1 VEP.
+
+Held-out masked bits/base at equal parameters, tokens and wall time, and each model's zero-shot AUROC on the BRCA1
+saturation-editing set.
+
+Arms (each a `bash launch/local.sh` run on 2 CPU ranks, the default job's genome, held-out range and recipe:
+configs/tiny_transformer.yaml's data and train sections; every model 854K to 859K parameters, within 1%):
+  mlm_transformer   configs/tiny_mlm.yaml: the transformer twin with --model.objective mlm
+  gpn               configs/tiny_gpn.yaml: GPN's dilated CNN, 16 blocks of width 64
+  caduceus_ph       configs/tiny_caduceus.yaml --model.rc_equivariance post_hoc: a plain BiMamba, RC augmentation
+                    in training, both strands averaged at inference
+  caduceus_ps       configs/tiny_caduceus.yaml: Caduceus-PS, RC-equivariant by parameter sharing
+each at the default budget (600 steps of 8,192 tokens: equal tokens), and each non-transformer arm again as
+<arm>@wall for the MLM transformer's training time: 600 steps x the arm's median training tokens/s over the
+transformer's (evaluations, start-up and the Markov baselines are not counted: one evaluation of the 256 masked
+held-out windows takes Caduceus minutes, which would otherwise eat its whole budget), with warmup and the WSD
+decay scaled alike and one evaluation at the end. Each reports held-out masked bits/base (the cross entropy in bits
+of the 15% masked positions of every held-out window, the same positions and corruptions for every arm) with its
+eval curve, and the strongest order-k Markov baseline (causal, both strands) for scale.
+
+BRCA1 (--vep, on by default): each arm's model section (objective mlm) over configs/brca1_locus.yaml (600 steps of
+16 x 512 bases, 2 ranks), then the 3,893 SNVs of Findlay et al. 2018 scored by `megagenome score-variants` (GPN's
+masked marginal, what it computes for an mlm model; benchmarks/brca1_vep.py's score()), forward and with
+--reverse_complement, except for the two Caduceus arms, whose scores are reverse-complement symmetric by
+construction (RC-PS) or by their inference (post hoc: both strands averaged), so RC scoring would repeat the
+forward score. AUROC of LOF against FUNC + INT with the stratified bootstrap 95% interval, beside the causal
+transformer's row of benchmarks/results/brca1_vep.json and the composition-only baseline.
+
+Arms run cheapest first: the transformer's and GPN's E. coli and BRCA1 runs (under an hour), then the two Caduceus
+arms' E. coli runs, then their BRCA1 runs (a Caduceus step costs 20-50x the transformer's on CPU: hours each); the
+results files are rewritten after every run, so an unfinished run leaves the figures so far. An arm whose run
+directory under --work holds a summary.json is read, not run again, and so is a scoring run whose summary JSON is
+there; a training run checkpoints every 100 steps and resumes where it stopped. A failed arm is recorded and the
+others go on. Writes benchmarks/results/mlm_architectures.{json,md}; --render_only rewrites the .md from the .json;
+--steps and --variants are for smoke runs (with --out elsewhere).
+
+    python benchmarks/mlm_architectures.py [--work /tmp/mlm_arch] [--arms mlm_transformer gpn caduceus_ph caduceus_ps]
+        [--budgets tokens wall] [--vep | --no-vep] [--render_only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Callable
+
+import brca1_vep
+import harness
+from architectures import model_flags
+from cpu_recipes import collect, launch
+
+ARMS = {  # name: (config, extra flags); the order they run in
+    "mlm_transformer": ("configs/tiny_mlm.yaml", []),
+    "gpn": ("configs/tiny_gpn.yaml", []),
+    "caduceus_ph": ("configs/tiny_caduceus.yaml", ["--model.rc_equivariance", "post_hoc"]),
+    "caduceus_ps": ("configs/tiny_caduceus.yaml", []),
+}
+REFERENCE = "mlm_transformer"
+EXPENSIVE = ("caduceus_ph", "caduceus_ps")  # a step costs 20-50x the transformer's on CPU (the selective scan)
+BRCA1_CONFIG = "configs/brca1_locus.yaml"
+STEPS = 600  # the default job's budget (configs/tiny_transformer.yaml)
+CHECKPOINT_INTERVAL = 100  # the Caduceus arms take hours: an interrupted arm resumes
+RC_REDUNDANT = {
+    "caduceus_ps": "RC-PS: exactly reverse-complement equivariant by construction",
+    "caduceus_ph": "post hoc: its inference averages both strands",
+}
+CAUSAL = harness.RESULTS / "brca1_vep.json"
+LOAD_NOTE = (
+    "Load: the 1-minute load average before -> after an arm this invocation ran (2: its two ranks alone); an arm "
+    "read from --work shows -. The runs are deterministic, so held-out bits/base at equal tokens do not depend on the "
+    "load; wall s and tokens/s do, and compare only between quiet arms (the @wall step counts come from tokens/s "
+    "measured at different times, under whatever else the machine ran then)."
+)
+
+
+def wall_steps(steps: int, tokens_per_s: float, reference_tokens_per_s: float) -> int:
+    """Steps of an arm for the reference's training time: `steps` (the reference's, at the same tokens per step)
+    times the ratio of their median training throughputs; at least 3."""
+    return max(3, round(steps * tokens_per_s / reference_tokens_per_s))
+
+
+def budget_flags(steps: int, evaluations: int = 1) -> list[str]:
+    """A run of `steps` steps with the default recipe's proportions (warmup 50/600; the WSD decay is a fraction of
+    max_steps already) and `evaluations` evenly spaced evaluations, the last at the end."""
+    return ["--train.max_steps", str(steps), "--train.warmup_steps", str(max(1, round(steps * 50 / STEPS))),
+            "--train.eval_interval", str(max(1, steps // evaluations))]  # fmt: skip
+
+
+def smoke_flags(steps: int | None) -> list[str]:
+    """--steps (smoke runs only): every training run `steps` steps, logging every other step and evaluating 16
+    windows; none otherwise."""
+    if not steps:
+        return []
+    return [*budget_flags(steps, 3), "--train.log_interval", "2", "--data.eval_windows", "16"]
+
+
+def subset_vcf(vcf: pathlib.Path, dest: pathlib.Path, n: int) -> pathlib.Path:
+    """--variants (smoke runs only): n records of the VCF, evenly spaced over it (both classes), its header kept."""
+    lines = vcf.read_text().splitlines(keepends=True)
+    header = [line for line in lines if line.startswith("#")]
+    records = [line for line in lines if not line.startswith("#")]
+    every = max(1, len(records) // n)
+    return harness.write_text(dest, "".join(header + records[::every][:n]))
+
+
+def arm_flags(name: str) -> list[str]:
+    """The arm's model section as flags (for configs/brca1_locus.yaml, whose model is the causal transformer's)."""
+    config, extra = ARMS[name]
+    return [*model_flags(config), *extra]
+
+
+def rc_modes(name: str) -> list[bool]:
+    """Strand modes to score: forward, and the reverse-complement average where it is not the forward score."""
+    return [False] if name in RC_REDUNDANT else [False, True]
+
+
+def causal_rows(path=CAUSAL) -> list[dict]:
+    """The causal transformer's rows of benchmarks/results/brca1_vep.json ([] when it is not there)."""
+    if not pathlib.Path(path).exists():
+        return []
+    result = json.loads(pathlib.Path(path).read_text())
+    return [{**r, "run_dir": result["meta"]["run_dir"], "date": result["meta"]["date"]} for r in result["rows"]]
+
+
+def _run(record: dict, section: str, name: str, work: Callable[[], dict]) -> dict:
+    """work() into record[section][name]; a failure (a launch or a scoring run that exits non-zero, a run directory
+    without what it should hold) is recorded with its message, not raised, so that the other arms still run."""
+    try:
+        record[section][name] = work()
+    except (Exception, SystemExit) as e:  # brca1_vep.score() exits on a failed score-variants
+        record[section][name] = {"failed": f"{type(e).__name__}: {e}"[:2000]}
+        print(f"mlm_architectures: {section} {name} failed: {e}", file=sys.stderr, flush=True)
+    return record[section][name]
+
+
+def learning_arm(work: pathlib.Path, name: str, *flags: str) -> dict:
+    config, extra = ARMS[name.split("@")[0]]
+    ran = launch(work / name, config, *extra, *flags, checkpoint_interval=CHECKPOINT_INTERVAL)
+    rows = harness.read_jsonl(work / name / "metrics.jsonl")
+    val = [r for r in rows if r.get("split") == "val"]
+    return {**collect(work / name), **ran, "masked_positions": val[-1]["bases"] if val else None}
+
+
+def vep_arm(work: pathlib.Path, name: str, args, fasta: str, vcf: str, steps: int | None) -> dict:
+    """Train the arm on the BRCA1 locus (unless done), then score the SNVs (each strand mode unless scored)."""
+    run_dir = work / f"brca1_{name}"
+    flags = arm_flags(name) + smoke_flags(steps)
+    ran = launch(run_dir, BRCA1_CONFIG, *flags, checkpoint_interval=CHECKPOINT_INTERVAL)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    scoring = run_dir / "vep"
+    scoring.mkdir(exist_ok=True)
+    vep_args = brca1_vep.parse_args(
+        ["--run_dir", str(run_dir), "--nproc", str(args.nproc), "--batch_size", str(args.batch_size),
+         "--bootstrap", str(args.bootstrap), "--seed", str(args.seed), "--vcf", vcf]
+    )  # fmt: skip
+    rows = []
+    for rc in rc_modes(name):
+        done = scoring / f"{'rc' if rc else 'fwd'}.json"
+        s = json.loads(done.read_text()) if done.exists() else brca1_vep.score(vep_args, fasta, str(scoring), rc)
+        ev = s["evaluation"]
+        rows.append({"objective": s["objective"], "parameters": s["parameters"], "window": s["window"],
+                     "rc": s["reverse_complement"], "auroc": ev["auroc"], "ci95": ev["ci95"],
+                     "n_positive": ev["n_positive"], "n_negative": ev["n_negative"], "variants": s["variants"],
+                     "variants_per_s": s["variants_per_s"], "ranks": s["ranks"],
+                     **brca1_vep.training(str(run_dir), s["model"])})  # fmt: skip
+    return {"rows": rows, "heldout_bits_per_base": summary["heldout_bits_per_base"], "wall_s": summary["wall_s"],
+            "tokens_per_s_median": summary["tokens_per_s_median"], **ran}  # fmt: skip
+
+
+def order(arms: list[str], budgets: list[str], vep: bool) -> list[tuple[str, str]]:
+    """(phase, arm) in the order they run: every phase of the cheap arms (the transformer, GPN), then the Caduceus
+    arms' E. coli runs, then their BRCA1 runs (hours each). The reference's E. coli run comes first whenever an
+    @wall arm needs its throughput; phase "learning" is an arm's equal-tokens run and its @wall run."""
+    wanted = [a for a in ARMS if a in arms or (a == REFERENCE and "wall" in budgets)]
+    phases = ["learning", "vep"] if vep else ["learning"]
+    cheap = [(phase, a) for a in wanted if a not in EXPENSIVE for phase in phases]
+    dear = [(phase, a) for phase in phases for a in wanted if a in EXPENSIVE]
+    return [(phase, a) for phase, a in cheap + dear if phase == "learning" or a in arms]
+
+
+def run_all(args, record: dict, write) -> None:
+    """Every phase of every arm in order(), the results rewritten after each (write(record))."""
+    work = pathlib.Path(args.work)
+    fasta = str(harness.copy_input(brca1_vep.FASTA, work / "vep_input", keep=True)) if args.vep else None
+    vcf = str(brca1_vep.VCF)
+    if args.vep and args.variants:
+        vcf = str(subset_vcf(brca1_vep.VCF, work / "vep_input" / f"subset_{args.variants}.vcf", args.variants))
+    steps = args.steps  # None: the configs' budget
+    for phase, name in order(args.arms, args.budgets, args.vep):
+        if phase == "vep":
+            _run(record, "vep", name, functools.partial(vep_arm, work, name, args, fasta, vcf, steps))
+            write(record)
+            continue
+        _run(record, "learning", name, functools.partial(learning_arm, work, name, *smoke_flags(steps)))
+        write(record)
+        reference, own = record["learning"].get(REFERENCE, {}), record["learning"][name]
+        if "wall" in args.budgets and name != REFERENCE and "wall_s" in reference and "wall_s" in own:
+            n = wall_steps(own["steps"], own["tokens_per_s_median"], reference["tokens_per_s_median"])
+            flags = budget_flags(n) + smoke_flags(steps)[6:]  # a smoke run's logging and evaluation windows
+            _run(record, "learning", f"{name}@wall", functools.partial(learning_arm, work, f"{name}@wall", *flags))
+            write(record)
+
+
+# ----- the report ---------------------------------------------------------------------------------------------------
+
+
+def markdown(record: dict) -> str:
+    lines = ["# Masked DNA LMs on E. coli: MLM transformer, GPN and Caduceus (RC-PS, post hoc); BRCA1 zero-shot", ""]
+    lines += harness.header(record) + [f"- work: `{record['work']}` (run directories, one per arm)", ""]
+    lines += ["## Held-out masked bits/base (2 CPU ranks, ZeRO-1 + bf16, the default job's genome and recipe)", ""]
+    rows = []
+    for name, r in record["learning"].items():
+        if "failed" in r:
+            rows.append([name, "failed: " + r["failed"].splitlines()[0][:120], *["-"] * 8])
+            continue
+        rows.append([name, f"{r['parameters']:,}", f"{r['steps']:,}", f"{r['tokens']:,}",
+                     f"{r['heldout_bits_per_base']:.4f}", f"{r['best_markov_bits_per_base']:.4f} (order "
+                     f"{r['best_markov_order']})", f"{r['wall_s']:.0f}", f"{r['tokens_per_s_median']:,.0f}",
+                     _load(r), f"{r['masked_positions']:,}" if r.get("masked_positions") else "-"])  # fmt: skip
+    cols = ["arm", "parameters", "steps", "tokens", "held-out masked bits/base", "best Markov (causal)", "wall s",
+            "tokens/s", "load", "masked positions scored"]  # fmt: skip
+    lines += harness.table(cols, rows)
+    pending = [a for a in record["arms"] if a not in record["learning"]]
+    lines += [""] + (
+        [f"Not run yet (this file is rewritten after every arm): {', '.join(pending)}.", ""] if pending else []
+    )
+    lines += [LOAD_NOTE, ""]
+    lines += ["Eval curves (step, held-out masked bits/base):", ""]
+    lines += [f"- {n}: " + ", ".join(f"({s}, {b:.4f})" for s, b in r["curve"])
+              for n, r in record["learning"].items() if "curve" in r]  # fmt: skip
+    lines += [
+        "",
+        "Held-out masked bits/base: at every evaluation each of the held-out range's windows (the last ~5% of the "
+        "chromosome, 1024 bases each, spread evenly over it) has 15% of its bases selected (80% of them replaced by "
+        "<mask>, 10% by a random base, 10% kept), seeded by the window's position, so every arm and every evaluation "
+        "scores the same positions with the same corrupted inputs (megagenome/data/dataset.py eval_batch); the "
+        "figure is the cross entropy in bits of the original base at those positions. The Markov baseline predicts "
+        "each base from the k before it (fitted on the training split, both strands), a one-sided context where a "
+        "masked model sees both flanks (less the 15% corrupted): it is there for scale, not as a bound.",
+        "",
+        "@wall: the arm again for the MLM transformer's training time at equal tokens per step: 600 x its median "
+        "tokens/s over the transformer's steps (warmup and the WSD decay scaled alike, one evaluation at the end); "
+        "evaluations, start-up and Markov fitting are not counted in either.",
+        "",
+    ]
+    lines += _vep_lines(record)
+    lines += _fairness_lines()
+    return "\n".join(lines) + "\n"
+
+
+def _load(r: dict) -> str:
+    return f"{r['load_before']:.1f} -> {r['load_after']:.1f}" if r.get("ran") else "-"
+
+
+def _ci(row: dict) -> str:
+    return (
+        f"{row['auroc']:.3f} [{row['ci95'][0]:.3f}, {row['ci95'][1]:.3f}]" if row.get("ci95") else f"{row['auroc']:.3f}"
+    )
+
+
+def _vep_lines(record: dict) -> list[str]:
+    vep = record.get("vep") or {}
+    if not vep and not record.get("causal"):
+        return []
+    lines = ["## BRCA1 zero-shot variant-effect prediction (Findlay et al. 2018 SGE, LOF vs FUNC + INT)", ""]
+    rows = []
+    for name, v in vep.items():
+        if "failed" in v:
+            rows.append([name, "failed: " + v["failed"].splitlines()[0][:120], *["-"] * 6])
+            continue
+        for r in v["rows"]:
+            train = f"{r['steps']:,} steps, {r['tokens']:,} tokens" if r.get("tokens") else "-"
+            rc = "yes" if r["rc"] else ("no" + (f" ({RC_REDUNDANT[name]})" if name in RC_REDUNDANT else ""))
+            rows.append([name, f"{r['parameters']:,}", train, f"{v['heldout_bits_per_base']:.4f} (masked)",
+                         r["window"], rc, _ci(r), f"{r['variants_per_s']:,.1f}"])  # fmt: skip
+    for r in record.get("causal") or []:
+        if r["objective"] == "clm":
+            train = f"{r['steps']:,} steps, {r['tokens']:,} tokens" if r.get("tokens") else "-"
+            name = f"causal transformer (`{r['run_dir']}`, brca1_vep.md, {r['date']})"
+            rc = "yes" if r["rc"] else "no"
+            rows.append(
+                [name, f"{r['parameters']:,}", train, "-", r["window"], rc, _ci(r), f"{r['variants_per_s']:,.1f}"]
+            )
+    base = record.get("composition")
+    if base:
+        rows.append(
+            ["composition only, no model: score 1 if the ALT is A or T", "0", "-", "-", "-", "-", _ci(base), "-"]
+        )
+    cols = ["model", "parameters", "training (configs/brca1_locus.yaml)", "held-out bits/base (last 50 kb)",
+            "window", "rc", "AUROC [95% CI]", "variants/s"]  # fmt: skip
+    lines += harness.table(cols, rows)
+    first = next((r for v in vep.values() for r in v.get("rows", [])), None)
+    counts = f" ({first['n_positive']:,} LOF vs {first['n_negative']:,})" if first else ""
+    lines += [
+        "",
+        f"Each masked model is trained by `bash launch/local.sh --config {BRCA1_CONFIG}` with its arm's model section "
+        "as flags (2 ranks, 600 steps of 16 x 512 bases, that config's cosine schedule at 2e-3, 4 passes over the "
+        "1.18 Mb locus, BRCA1 itself included), then scored by `megagenome score-variants` over all 3,893 SNVs "
+        "(benchmarks/brca1_vep.py's score(), 2 ranks: the same scores as one process) with GPN's masked marginal: "
+        "the REF window (512 bases, the variant at its centre) with the variant's base masked, log p(ALT) - "
+        f"log p(REF) there. AUROC of LOF against FUNC + INT{counts} of -score, stratified bootstrap 95% interval "
+        f"({record.get('bootstrap', 1000)} resamples, seed {record.get('seed', 0)}). rc yes: the mean of the scores "
+        "of both strands (the windows reverse-complemented). The causal transformer's rows are read from "
+        "benchmarks/results/brca1_vep.json (the same config and budget, objective clm, the Evo 2 method: the ALT "
+        "window's log-likelihood minus the REF window's), not rerun here. Held-out bits/base of a masked model (the "
+        "masked positions of the last 50 kb) and of the causal one are not the same quantity.",
+        "",
+        "Reading: below 0.5, the model finds LOF ALTs more likely than the others, as the composition-only row does "
+        "(stop codons are A/T-rich, the locus too). Models of 0.86M parameters trained on one 1.18 Mb locus learn its "
+        "composition and little of its constraint (benchmarks/results/brca1_vep.md); this compares the families at "
+        "that size, not what they do at scale.",
+        "",
+    ]
+    return lines
+
+
+def _fairness_lines() -> list[str]:
+    return [
+        "## What is not compared fairly here",
+        "",
+        "- Width and depth differ by design at equal parameters (each config's header says why): the transformer 128 "
+        "x 4 layers, GPN 64 x 16 blocks (two cycles of its dilation schedule, a 2,045-base receptive field), "
+        "Caduceus 128 x 6 BiMamba blocks (no MLP; dt_rank 16 for the parameter count). Caduceus-PS's stream is "
+        "256 wide for a 128-wide model's parameters: twice the activations and FLOPs of the others per token.",
+        "- Wall time and tokens/s: the selective scan runs in float32 through mambapy's parallel scan (no fused CPU "
+        "kernel; the CUDA one, mamba_ssm, is not used on CPU), memory-bound over (batch, T, 256 channels, 16 states) "
+        "tensors: on a GPU with mamba_ssm the ratio to the others would be another. The @wall arms measure this "
+        "implementation on this CPU, and their step counts use tokens/s measured hours apart on a shared machine.",
+        "- The recipe is the transformer's (WSD at 4e-3, 600 steps, micro batch 4): tuned for neither GPN nor "
+        "Caduceus; the papers train them with other schedules, widths and far more tokens.",
+        "- Caduceus post hoc is evaluated as it is meant to be used, both strands averaged in eval mode (twice the "
+        "inference cost); the others see one strand at evaluation. All arms train with the same reverse-complement "
+        "augmentation (rc_prob 0.5), which RC-PS does not need.",
+        "- The masked bits/base and the causal model's bits/base are different tasks (both flanks vs the left one): "
+        "only the masked arms compare with each other; the BRCA1 AUROC is the one figure shared with the causal "
+        "model.",
+        "",
+    ]
+
+
+def main(argv=None) -> int:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--work", default="/tmp/mlm_arch", help="run directories, one per arm (kept)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument(
+        "--budgets",
+        nargs="+",
+        default=["tokens", "wall"],
+        choices=["tokens", "wall"],
+        help="tokens: the 600-step runs; wall: the @wall runs too (which need them)",
+    )
+    ap.add_argument("--vep", action=argparse.BooleanOptionalAction, default=True, help="the BRCA1 arms")
+    ap.add_argument("--steps", type=int, help="smoke runs only: every training run this many steps, 16 eval windows")
+    ap.add_argument("--variants", type=int, help="smoke runs only: score this many of the SNVs (evenly spaced)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks of score-variants")
+    ap.add_argument("--batch_size", type=int, default=32, help="score-variants' windows per batch")
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(harness.RESULTS / "mlm_architectures"), help="results path, no suffix")
+    ap.add_argument("--render_only", action="store_true", help="rewrite the .md from the .json")
+    args = ap.parse_args(harness.argv_of(argv))
+    out = pathlib.Path(args.out)
+
+    def write(record: dict) -> None:
+        harness.write_results(out.parent, out.name, record, markdown(record))
+
+    if args.render_only:
+        record = json.loads(out.with_suffix(".json").read_text())
+        write(record)
+        print(out.with_suffix(".md").read_text())
+        return 0
+    os.chdir(harness.REPO)  # the configs name their files relative to the repository
+    record = {"date": harness.today(), "hardware": harness.hardware(), "software": harness.software(),
+              "command": harness.command("mlm_architectures.py", harness.argv_of(argv)), "work": args.work,
+              "arms": list(args.arms), "budgets": list(args.budgets), "steps": args.steps, "variants": args.variants,
+              "bootstrap": args.bootstrap,
+              "seed": args.seed, "learning": {}, "vep": {}}  # fmt: skip
+    if args.vep:
+        record["causal"] = causal_rows()
+        record["composition"] = brca1_vep.composition_baseline(str(brca1_vep.VCF), args.bootstrap, args.seed)
+    run_all(args, record, write)
+    write(record)
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
