@@ -65,18 +65,23 @@ class BlockStack(nn.Module):
     def build(self, cfg: ModelConfig, vocab_size: int, layers, blocks: Callable[[], list[nn.Module]]) -> None:
         """Check the shape, then build embed, blocks() (the family's), norm and the (tied) head in this order (the
         seed's draws follow it: the same seed gives the same weights) and finish_init."""
-        if vocab_size <= 0:
-            raise ValueError(f"vocab_size={vocab_size}: must be positive")
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"--model.d_model={cfg.d_model} is not divisible by --model.n_head={cfg.n_head}")
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.padded_vocab_size = padded_vocab_size(vocab_size)
+        self.begin(cfg, vocab_size)
         self.embed = layers.embedding(self.padded_vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(blocks())
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=self.embed if cfg.tie_embeddings else None)
         self.finish_init(layers)
+
+    def begin(self, cfg: ModelConfig, vocab_size: int) -> None:
+        """Check the vocabulary and keep the config, the vocabulary size and its padded rows: how build() starts, and
+        what a family that makes its own embedding or head (caduceus, gpn) calls before making them."""
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size={vocab_size}: must be positive")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size(vocab_size)
 
     def finish_init(self, layers) -> None:
         """Install the default checkpoint function, no sequence parallelism, no teacher, and the factory's loss."""

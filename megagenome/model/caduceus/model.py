@@ -29,7 +29,7 @@ from megagenome.model.caduceus import rc
 from megagenome.model.caduceus.mamba import CaduceusBlock
 from megagenome.model.family import PipelineLayers
 from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_
-from megagenome.model.stack import BlockStack, padded_vocab_size
+from megagenome.model.stack import BlockStack
 
 
 class CaduceusLM(BlockStack):
@@ -44,12 +44,8 @@ class CaduceusLM(BlockStack):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, layers: DenseLayers | None = None):
         super().__init__()
-        if vocab_size <= 0:
-            raise ValueError(f"vocab_size={vocab_size}: must be positive")
         layers = layers or DenseLayers()
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.padded_vocab_size = padded_vocab_size(vocab_size)
+        self.begin(cfg, vocab_size)
         self.parameter_sharing = cfg.rc_equivariance == "ps"
         # Built in this order (the seed's draws follow it): embedding, blocks, final norm, (tied) head.
         self.embed = layers.embedding(self.padded_vocab_size, cfg.d_model)

@@ -38,7 +38,7 @@ from megagenome.config import ModelConfig, d_ff
 from megagenome.model.family import PipelineLayers
 from megagenome.model.gpn.costs import dilations, kernels
 from megagenome.model.layers import DenseLayers, init_normal_
-from megagenome.model.stack import BlockStack, padded_vocab_size
+from megagenome.model.stack import BlockStack
 
 
 class OneHotEmbedding(nn.Module):
@@ -128,12 +128,8 @@ class GPNLM(BlockStack):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, layers: DenseLayers | None = None):
         super().__init__()
-        if vocab_size <= 0:
-            raise ValueError(f"vocab_size={vocab_size}: must be positive")
         layers = layers or DenseLayers()
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.padded_vocab_size = padded_vocab_size(vocab_size)
+        self.begin(cfg, vocab_size)
         norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)  # made first: the embedding's dtype (no draws)
         self.embed = OneHotEmbedding(self.padded_vocab_size, cfg.d_model, norm.weight)
         schedule = zip(kernels(cfg), dilations(cfg), strict=True)
