@@ -1,4 +1,4 @@
-"""The caduceus family (megagenome/model/caduceus/): the selective scan, the Mamba and BiMamba mixers against mambapy,
+"""The caduceus family (megagenome/model/caduceus/): the Mamba and BiMamba mixers against mambapy,
 reverse-complement equivariance, and the LanguageModel protocol.
 
 The oracle is mambapy 1.2.0's MambaBlock (mambapy/mamba.py, a port of Mamba's mamba_simple), configured as
@@ -22,8 +22,7 @@ bimamba(x) = mamba_fwd(x) + flip_T(mamba_rev(flip_T(x))). Weights are redrawn at
 the output by O(1); the deliberate mismatches (an unflipped conv, the x/z halves swapped, the reverse direction's
 parameters taken from the forward) each move it by far more than the tolerance.
 
-The scan is checked against a sequential loop written here (h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t,
-y_t = C_t h_t + D u_t in float32), values and gradients, at lengths that are and are not powers of two.
+The selective scan's own tests (its three paths against a float64 loop) are tests/test_caduceus_scan.py.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from mambapy.mamba import MambaBlock, MambaConfig
 from megagenome.config import ModelConfig
 from megagenome.data import tokenizer
 from megagenome.model import family_of
-from megagenome.model.caduceus import rc, scan
+from megagenome.model.caduceus import rc
 from megagenome.model.caduceus.mamba import MambaMixer
 from megagenome.model.caduceus.model import CaduceusLM
 from megagenome.model.distill import Teacher
@@ -73,65 +72,6 @@ def unit_scale_(module: torch.nn.Module, seed: int = 1) -> None:
 
 def ids(B: int, T: int, seed: int = 7) -> torch.Tensor:
     return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-# ----- the scan ----------------------------------------------------------------------------------------------------
-
-
-def sequential_scan(u, dt, A_log, B, C, D, dt_bias):
-    """The recurrence position by position (module docstring), float32."""
-    A = -torch.exp(A_log.float())  # (c, N)
-    delta = F.softplus(dt.float() + dt_bias.float())  # (b, T, c)
-    h = torch.zeros(u.shape[0], u.shape[2], A.shape[1])  # (b, c, N)
-    ys = []
-    for t in range(u.shape[1]):
-        h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
-        ys.append((h * C[:, t, None, :]).sum(-1) + D * u[:, t])  # (b, c)
-    return torch.stack(ys, dim=1)  # (b, T, c)
-
-
-def scan_inputs(b: int, T: int, c: int = 6, N: int = 5, seed: int = 3, device: str = "cpu"):
-    g = torch.Generator().manual_seed(seed)
-    shapes = [(b, T, c), (b, T, c), (c, N), (b, T, N), (b, T, N), (c,), (c,)]
-    xs = [torch.randn(s, generator=g) for s in shapes]
-    xs[2] = torch.log(torch.rand(c, N, generator=g) * 8 + 0.5)  # A_log: decays from slow to fast
-    return [x.to(device).requires_grad_() for x in xs]
-
-
-@pytest.mark.parametrize("T", [1, 2, 7, 16, 37, 64])
-def test_parallel_scan_is_the_sequential_recurrence(T):
-    """mambapy's pscan (padded to a power of two where T is not one) equals the loop, values and all gradients."""
-    xs = scan_inputs(2, T)
-    got = scan.selective_scan(*xs, use_kernel=False)
-    want = sequential_scan(*xs)
-    print(f"T={T}: scan max error {(got - want).abs().max().item():.2e} of {want.abs().max().item():.2f}")
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(0))
-    grads = torch.autograd.grad((got * w).sum(), xs)
-    wants = torch.autograd.grad((want * w).sum(), xs)
-    for name, g, h in zip(("u", "dt", "A_log", "B", "C", "D", "dt_bias"), grads, wants):
-        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"d/d{name}: {m}")
-
-
-def test_scan_runs_in_float32_for_16_bit_inputs():
-    xs = [x.detach() for x in scan_inputs(2, 20)]
-    half = [x.bfloat16() if x.dim() == 3 else x for x in xs]
-    y = scan.selective_scan(*half, use_kernel=False)
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), sequential_scan(*[x.float() for x in half]), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or scan.selective_scan_fn is None, reason="needs CUDA, mamba_ssm")
-def test_cuda_kernel_is_the_parallel_scan():
-    """mamba_ssm's fused kernel and mambapy's scan agree on CUDA, values and gradients."""
-    xs = scan_inputs(2, 100, c=32, N=16, device="cuda")
-    kernel = scan.selective_scan(*xs, use_kernel=True)
-    torch_ = scan.selective_scan(*xs, use_kernel=False)
-    torch.testing.assert_close(kernel, torch_, rtol=1e-4, atol=1e-4)
-    grads = [torch.autograd.grad(y.sum(), xs) for y in (kernel, torch_)]
-    for g, h in zip(*grads):
-        torch.testing.assert_close(g, h, rtol=1e-3, atol=1e-3)
 
 
 # ----- the mixers against mambapy ----------------------------------------------------------------------------------

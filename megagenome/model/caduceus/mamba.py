@@ -81,6 +81,9 @@ class MambaCore(nn.Module):
         # Selective checkpointing (CaduceusBlock.set_recompute): fn(function, *args) reruns the scan in backward,
         # keeping only its inputs instead of its (b, T, c, N) float32 states. None: keep what it saves.
         self.recompute: Callable | None = None
+        # Which implementation of the scan runs (scan.PATHS); None: the fastest that runs here (scan.default_path).
+        # benchmarks/selective_scan_cpu.py sets it to time the paths side by side.
+        self.scan_path: str | None = None
 
     @staticmethod
     @torch.no_grad()
@@ -111,9 +114,9 @@ class MambaCore(nn.Module):
         dt, BC = self.x_proj(x).split(self.sizes, dim=-1)  # (b, T, r), (b, T, 2N)
         B, C = self.enter(BC).chunk(2, dim=-1)  # (b, T, N) each
         dt = self.dt_proj(dt)  # (b, T, c)
-        scan = selective_scan
+        scan = functools.partial(selective_scan, path=self.scan_path)
         if self.recompute is not None and torch.is_grad_enabled():
-            scan = functools.partial(self.recompute, selective_scan)
+            scan = functools.partial(self.recompute, scan)
         return scan(x, dt, self.A_log, B, C, self.D, self.dt_bias)  # (b, T, c)
 
 

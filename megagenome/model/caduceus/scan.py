@@ -10,15 +10,21 @@ B_t, C_t (N values per position) are shared by the channels; A, D and dt_bias ar
 in float32 whatever the activation dtype: exp(delta A) of a 16-bit step loses the slow decays the long context
 depends on, and the sum over thousands of positions would round away the small increments.
 
-Two implementations of the same function:
+Three implementations of the same function, chosen by where the tensors are (selective_scan's path=None):
 
-    CUDA   mamba_ssm's selective_scan_fn (one fused kernel; the state never leaves on-chip memory), when the
-           package imports and the tensors are on a CUDA device
-    torch  the parallel (Blelloch) scan of the mambapy package over the (b, T, channels, N) float32 tensors of
-           the per-step decays and inputs: 2 log2 T sequential steps, O(T N) memory per channel. pscan pads a
-           length that is not a power of two with zeros at the end (decay 0, input 0), which cannot reach back to
-           the real positions of a causal recurrence; tests/test_caduceus.py checks it against a sequential loop
-           at such lengths, gradients included.
+    mamba_ssm   on CUDA: mamba_ssm's selective_scan_fn (one fused kernel; the state never leaves on-chip memory),
+                when the package imports
+    fused_cpu   on CPU: the fused kernel of scan_cpu.py (C++, built at first use): each channel's N states walk the
+                sequence in registers, the backward recomputes them from checkpoints every 32 positions, so nothing
+                of size (b, T, channels, N) is stored; about 20x faster than the torch path on 2 cores, a tenth of
+                its memory (benchmarks/results/selective_scan_cpu.md)
+    torch       everywhere, the reference and the fallback (CUDA without mamba_ssm; CPU without a C++ compiler, said
+                on one line): the parallel (Blelloch) scan of the mambapy package over the (b, T, channels, N)
+                float32 tensors of the per-step decays and inputs: 2 log2 T sequential steps, O(T N) memory per
+                channel. pscan pads a length that is not a power of two with zeros at the end (decay 0, input 0),
+                which cannot reach back to the real positions of a causal recurrence
+
+tests/test_caduceus_scan.py checks the torch and fused paths against a float64 loop, values and all seven gradients.
 """
 
 from __future__ import annotations
@@ -27,15 +33,21 @@ import torch
 import torch.nn.functional as F
 from mambapy.pscan import pscan
 
+from megagenome.model.caduceus import scan_cpu
+
 try:  # the fused CUDA kernel, optional (pip install mamba-ssm; needs a CUDA toolchain)
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
 except ImportError:  # pragma: no cover - depends on the environment
     selective_scan_fn = None
 
+PATHS = ("mamba_ssm", "fused_cpu", "torch")
 
-def cuda_kernel_available(u: torch.Tensor) -> bool:
-    """Whether selective_scan runs mamba_ssm's kernel for tensors like u."""
-    return selective_scan_fn is not None and u.is_cuda
+
+def default_path(u: torch.Tensor) -> str:
+    """The implementation selective_scan runs for tensors like u (module docstring)."""
+    if u.is_cuda:
+        return "mamba_ssm" if selective_scan_fn is not None else "torch"
+    return "fused_cpu" if scan_cpu.available() else "torch"
 
 
 def selective_scan(
@@ -46,14 +58,19 @@ def selective_scan(
     C: torch.Tensor,
     D: torch.Tensor,
     dt_bias: torch.Tensor,
-    use_kernel: bool | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """y (b, T, channels) in u's dtype, of u and dt (b, T, channels), A_log (channels, N), B and C (b, T, N), D and
-    dt_bias (channels,) (module docstring); use_kernel: force (True) or refuse (False) the CUDA kernel, None: use
-    it where it runs."""
-    kernel = cuda_kernel_available(u) if use_kernel is None else use_kernel
-    scan = scan_kernel if kernel else scan_torch
+    dt_bias (channels,) (module docstring); path: one of PATHS, None: default_path(u)."""
+    scan = {"mamba_ssm": scan_kernel, "fused_cpu": scan_fused, "torch": scan_torch}[path or default_path(u)]
     return scan(u, dt, A_log, B, C, D, dt_bias).to(u.dtype)
+
+
+def scan_fused(u, dt, A_log, B, C, D, dt_bias) -> torch.Tensor:
+    """The scan by scan_cpu's fused kernel, float32 inside: y (b, T, channels) float32."""
+    A = -torch.exp(A_log.float())  # (channels, N)
+    delta = F.softplus(dt.float() + dt_bias.float())  # (b, T, channels)
+    return scan_cpu.FusedScan.apply(u.float(), delta, A, B.float(), C.float(), D.float())
 
 
 def scan_torch(u, dt, A_log, B, C, D, dt_bias) -> torch.Tensor:
