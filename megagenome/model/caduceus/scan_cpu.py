@@ -6,8 +6,8 @@ and never writes the (b, T, channels, N) tensors the plain-torch scan does: its 
 checkpoints every CHUNK positions (the kernel file's header has the algebra). Float32 inside; the caller casts.
 
 Built like DeepSpeed's CPU ops, by torch.utils.cpp_extension (g++ and ninja) at the first call in a process, into
-TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); later processes load the cached library in well under a
-second. It is compiled with -march=native, so the build is named by the processor (its model name and instruction
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), in 30-40 s with g++; later processes load the cached
+library. It is compiled with -march=native, so the build is named by the processor (its model name and instruction
 set flags): a build cache shared between machines (an NFS home directory on a cluster) holds one build per processor
 type, and a node never loads code built for instructions it lacks. The name also carries a digest of the source, so
 an edited kernel is rebuilt rather than a stale one loaded.
