@@ -27,15 +27,19 @@ forward score. AUROC of LOF against FUNC + INT with the stratified bootstrap 95%
 transformer's row of benchmarks/results/brca1_vep.json and the composition-only baseline.
 
 Arms run cheapest first: the transformer's and GPN's E. coli and BRCA1 runs (under an hour), then the two Caduceus
-arms' E. coli runs, then their BRCA1 runs (a Caduceus step costs 20-50x the transformer's on CPU: hours each); the
-results files are rewritten after every run, so an unfinished run leaves the figures so far. An arm whose run
-directory under --work holds a summary.json is read, not run again, and so is a scoring run whose summary JSON is
-there; a training run checkpoints every 100 steps and resumes where it stopped. A failed arm is recorded and the
-others go on. Writes benchmarks/results/mlm_architectures.{json,md}; --render_only rewrites the .md from the .json;
---steps and --variants are for smoke runs (with --out elsewhere).
+arms' E. coli runs, then their BRCA1 runs. Designed to finish in pieces: one invocation spends at most
+--budget_minutes (default 40) on 2 cores. It starts no run once the budget is spent, and a training run still going
+at the deadline is stopped (recorded as stopped, not failed); the next invocation with the same --work resumes it
+from its last checkpoint (every 50 steps). The results files are rewritten after every run and keep what earlier
+invocations measured: an arm recorded there (with the same --steps, --variants, --bootstrap and --seed) is not run
+again, even from an empty --work, so committing the files after each invocation carries the figures to the next
+session; each arm names the date, commit and machine it was measured on. An arm whose run directory under --work
+holds a summary.json is read, not run again, and so is a scoring run whose summary JSON is there. A failed arm is
+recorded and the others go on. Writes benchmarks/results/mlm_architectures.{json,md}; --render_only rewrites the
+.md from the .json; --steps and --variants are for smoke runs (with --out elsewhere).
 
     python benchmarks/mlm_architectures.py [--work /tmp/mlm_arch] [--arms mlm_transformer gpn caduceus_ph caduceus_ps]
-        [--budgets tokens wall] [--vep | --no-vep] [--render_only]
+        [--budgets tokens wall] [--vep | --no-vep] [--budget_minutes 40] [--render_only]
 """
 
 from __future__ import annotations
@@ -46,12 +50,13 @@ import json
 import os
 import pathlib
 import sys
+import time
 from collections.abc import Callable
 
 import brca1_vep
 import harness
 from architectures import model_flags
-from cpu_recipes import collect, launch
+from cpu_recipes import collect
 
 ARMS = {  # name: (config, extra flags); the order they run in
     "mlm_transformer": ("configs/tiny_mlm.yaml", []),
@@ -63,7 +68,8 @@ REFERENCE = "mlm_transformer"
 EXPENSIVE = ("caduceus_ph", "caduceus_ps")  # a step costs 20-50x the transformer's on CPU (the selective scan)
 BRCA1_CONFIG = "configs/brca1_locus.yaml"
 STEPS = 600  # the default job's budget (configs/tiny_transformer.yaml)
-CHECKPOINT_INTERVAL = 100  # the Caduceus arms take hours: an interrupted arm resumes
+CHECKPOINT_INTERVAL = 50  # an arm stopped at an invocation's budget resumes from here
+SETTINGS = ("steps", "variants", "bootstrap", "seed")  # a recorded arm is kept when these match
 RC_REDUNDANT = {
     "caduceus_ps": "RC-PS: exactly reverse-complement equivariant by construction",
     "caduceus_ph": "post hoc: its inference averages both strands",
@@ -126,30 +132,71 @@ def causal_rows(path=CAUSAL) -> list[dict]:
     return [{**r, "run_dir": result["meta"]["run_dir"], "date": result["meta"]["date"]} for r in result["rows"]]
 
 
-def _run(record: dict, section: str, name: str, work: Callable[[], dict]) -> dict:
+class Stopped(Exception):
+    """A run stopped (or not started) at the invocation's deadline: it resumes from --work when run again."""
+
+
+def launch(run_dir: pathlib.Path, config: str, *flags: str, deadline: float) -> dict:
+    """Runs one arm unless it already finished (its summary.json), until the deadline (time.monotonic()): killed
+    there, it raises Stopped and resumes from its last checkpoint at the next invocation. Returns the load averages
+    around the run (ran False when read)."""
+    if (run_dir / "summary.json").exists():
+        return {"ran": False}
+    left = deadline - time.monotonic()
+    if left < 60:
+        raise Stopped("not started: this invocation's budget is spent")
+    cmd = ["bash", "launch/local.sh", "--config", config, *flags, "--log.run_dir", str(run_dir), "--log.progress",
+           "false", "--checkpoint.interval", str(CHECKPOINT_INTERVAL)]  # fmt: skip
+    log = run_dir.parent / f"{run_dir.name}.log"
+    before = harness.load_average()
+    rc, how = harness.run_session(cmd, log, left, env=harness.child_env())
+    if how == "timeout":
+        raise Stopped(f"stopped at this invocation's budget after {left / 60:.0f} min; rerun with the same --work")
+    if rc != 0:
+        raise RuntimeError(f"exit {rc}: {' '.join(cmd)} (log: {log})")
+    return {"ran": True, "load_before": before, "load_after": harness.load_average(), "command": " ".join(cmd[1:])}
+
+
+def measured_on() -> dict:
+    """The date, commit and machine an arm's figures come from (an arm may come from an earlier invocation)."""
+    return {"date": harness.today(), "commit": harness.git_commit(), "hardware": harness.hardware()}
+
+
+def _run(record: dict, section: str, name: str, work: Callable[[], dict]) -> bool:
     """work() into record[section][name]; a failure (a launch or a scoring run that exits non-zero, a run directory
-    without what it should hold) is recorded with its message, not raised, so that the other arms still run."""
+    without what it should hold) is recorded with its message, not raised, so that the other arms still run. False
+    when the invocation's budget is spent (the run was stopped or not started: recorded as stopped)."""
     try:
-        record[section][name] = work()
+        record[section][name] = work() | {"measured": measured_on()}
+    except Stopped as e:
+        record[section][name] = {"stopped": str(e)}
+        print(f"mlm_architectures: {section} {name}: {e}", file=sys.stderr, flush=True)
+        return False
     except (Exception, SystemExit) as e:  # brca1_vep.score() exits on a failed score-variants
         record[section][name] = {"failed": f"{type(e).__name__}: {e}"[:2000]}
         print(f"mlm_architectures: {section} {name} failed: {e}", file=sys.stderr, flush=True)
-    return record[section][name]
+    return True
 
 
-def learning_arm(work: pathlib.Path, name: str, *flags: str) -> dict:
+def done(entry: dict | None) -> bool:
+    """Whether a recorded arm holds figures (neither failed nor stopped): it is kept, not run again."""
+    return entry is not None and "failed" not in entry and "stopped" not in entry
+
+
+def learning_arm(work: pathlib.Path, name: str, *flags: str, deadline: float) -> dict:
     config, extra = ARMS[name.split("@")[0]]
-    ran = launch(work / name, config, *extra, *flags, checkpoint_interval=CHECKPOINT_INTERVAL)
+    ran = launch(work / name, config, *extra, *flags, deadline=deadline)
     rows = harness.read_jsonl(work / name / "metrics.jsonl")
     val = [r for r in rows if r.get("split") == "val"]
     return {**collect(work / name), **ran, "masked_positions": val[-1]["bases"] if val else None}
 
 
-def vep_arm(work: pathlib.Path, name: str, args, fasta: str, vcf: str, steps: int | None) -> dict:
-    """Train the arm on the BRCA1 locus (unless done), then score the SNVs (each strand mode unless scored)."""
+def vep_arm(work: pathlib.Path, name: str, args, fasta: str, vcf: str, steps: int | None, deadline: float) -> dict:
+    """Train the arm on the BRCA1 locus (unless done), then score the SNVs (each strand mode unless scored; scoring
+    is not stopped at the deadline: minutes, where training is the hour)."""
     run_dir = work / f"brca1_{name}"
     flags = arm_flags(name) + smoke_flags(steps)
-    ran = launch(run_dir, BRCA1_CONFIG, *flags, checkpoint_interval=CHECKPOINT_INTERVAL)
+    ran = launch(run_dir, BRCA1_CONFIG, *flags, deadline=deadline)
     summary = json.loads((run_dir / "summary.json").read_text())
     scoring = run_dir / "vep"
     scoring.mkdir(exist_ok=True)
@@ -182,8 +229,10 @@ def order(arms: list[str], budgets: list[str], vep: bool) -> list[tuple[str, str
     return [(phase, a) for phase, a in cheap + dear if phase == "learning" or a in arms]
 
 
-def run_all(args, record: dict, write) -> None:
-    """Every phase of every arm in order(), the results rewritten after each (write(record))."""
+def run_all(args, record: dict, write, deadline: float) -> None:
+    """Every phase of every arm in order() that the record does not hold yet, the results rewritten after each
+    (write(record)), until the deadline (time.monotonic()): then the run in progress is stopped and nothing else
+    starts."""
     work = pathlib.Path(args.work)
     fasta = str(harness.copy_input(brca1_vep.FASTA, work / "vep_input", keep=True)) if args.vep else None
     vcf = str(brca1_vep.VCF)
@@ -192,17 +241,46 @@ def run_all(args, record: dict, write) -> None:
     steps = args.steps  # None: the configs' budget
     for phase, name in order(args.arms, args.budgets, args.vep):
         if phase == "vep":
-            _run(record, "vep", name, functools.partial(vep_arm, work, name, args, fasta, vcf, steps))
-            write(record)
+            if not done(record["vep"].get(name)):
+                go_on = _run(
+                    record, "vep", name, functools.partial(vep_arm, work, name, args, fasta, vcf, steps, deadline)
+                )
+                write(record)
+                if not go_on:
+                    return
             continue
-        _run(record, "learning", name, functools.partial(learning_arm, work, name, *smoke_flags(steps)))
-        write(record)
-        reference, own = record["learning"].get(REFERENCE, {}), record["learning"][name]
-        if "wall" in args.budgets and name != REFERENCE and "wall_s" in reference and "wall_s" in own:
+        if not done(record["learning"].get(name)):
+            go_on = _run(
+                record,
+                "learning",
+                name,
+                functools.partial(learning_arm, work, name, *smoke_flags(steps), deadline=deadline),
+            )
+            write(record)
+            if not go_on:
+                return
+        reference, own, wall = record["learning"].get(REFERENCE, {}), record["learning"][name], f"{name}@wall"
+        if "wall" in args.budgets and name != REFERENCE and done(reference) and done(own):
+            if done(record["learning"].get(wall)):
+                continue
             n = wall_steps(own["steps"], own["tokens_per_s_median"], reference["tokens_per_s_median"])
             flags = budget_flags(n) + smoke_flags(steps)[6:]  # a smoke run's logging and evaluation windows
-            _run(record, "learning", f"{name}@wall", functools.partial(learning_arm, work, f"{name}@wall", *flags))
+            go_on = _run(
+                record, "learning", wall, functools.partial(learning_arm, work, wall, *flags, deadline=deadline)
+            )
             write(record)
+            if not go_on:
+                return
+
+
+def carried(previous: dict, record: dict) -> dict:
+    """record with the arms a previous record holds figures for, when it was made with the same SETTINGS (an arm
+    measured by an earlier invocation, perhaps in another session, is not run again)."""
+    if any(previous.get(k) != record.get(k) for k in SETTINGS):
+        return record
+    for section in ("learning", "vep"):
+        record[section] = {k: v for k, v in previous.get(section, {}).items() if done(v)} | record[section]
+    return record
 
 
 # ----- the report ---------------------------------------------------------------------------------------------------
@@ -214,8 +292,8 @@ def markdown(record: dict) -> str:
     lines += ["## Held-out masked bits/base (2 CPU ranks, ZeRO-1 + bf16, the default job's genome and recipe)", ""]
     rows = []
     for name, r in record["learning"].items():
-        if "failed" in r:
-            rows.append([name, "failed: " + r["failed"].splitlines()[0][:120], *["-"] * 8])
+        if not done(r):
+            rows.append([name, _not_done(r), *["-"] * 8])
             continue
         rows.append([name, f"{r['parameters']:,}", f"{r['steps']:,}", f"{r['tokens']:,}",
                      f"{r['heldout_bits_per_base']:.4f}", f"{r['best_markov_bits_per_base']:.4f} (order "
@@ -248,8 +326,25 @@ def markdown(record: dict) -> str:
         "",
     ]
     lines += _vep_lines(record)
+    lines += _measured_lines(record)
     lines += _fairness_lines()
     return "\n".join(lines) + "\n"
+
+
+def _not_done(r: dict) -> str:
+    key = "failed" if "failed" in r else "stopped"
+    return f"{key}: " + r[key].splitlines()[0][:120]
+
+
+def _measured_lines(record: dict) -> list[str]:
+    """Where each arm was measured, when any arm comes from another day, commit or machine than the header's."""
+    arms = [(f"{section} {name}", r["measured"]) for section in ("learning", "vep")
+            for name, r in record.get(section, {}).items() if done(r) and "measured" in r]  # fmt: skip
+    header = (record.get("date"), record.get("hardware"))
+    if all((m["date"], m["hardware"]) == header for _, m in arms):
+        return []
+    lines = ["Measured by more than one invocation; each arm's date, commit and machine:", ""]
+    return lines + [f"- {arm}: {m['date']}, {m['commit']}, {m['hardware']}" for arm, m in arms] + [""]
 
 
 def _load(r: dict) -> str:
@@ -269,8 +364,8 @@ def _vep_lines(record: dict) -> list[str]:
     lines = ["## BRCA1 zero-shot variant-effect prediction (Findlay et al. 2018 SGE, LOF vs FUNC + INT)", ""]
     rows = []
     for name, v in vep.items():
-        if "failed" in v:
-            rows.append([name, "failed: " + v["failed"].splitlines()[0][:120], *["-"] * 6])
+        if not done(v):
+            rows.append([name, _not_done(v), *["-"] * 6])
             continue
         for r in v["rows"]:
             train = f"{r['steps']:,} steps, {r['tokens']:,} tokens" if r.get("tokens") else "-"
@@ -362,7 +457,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(harness.RESULTS / "mlm_architectures"), help="results path, no suffix")
     ap.add_argument("--render_only", action="store_true", help="rewrite the .md from the .json")
+    ap.add_argument("--budget_minutes", type=float, default=40, help="stop runs after this long (resume: run again)")
     args = ap.parse_args(harness.argv_of(argv))
+    deadline = time.monotonic() + 60 * args.budget_minutes
     out = pathlib.Path(args.out)
 
     def write(record: dict) -> None:
@@ -382,7 +479,9 @@ def main(argv=None) -> int:
     if args.vep:
         record["causal"] = causal_rows()
         record["composition"] = brca1_vep.composition_baseline(str(brca1_vep.VCF), args.bootstrap, args.seed)
-    run_all(args, record, write)
+    if out.with_suffix(".json").exists():
+        record = carried(json.loads(out.with_suffix(".json").read_text()), record)
+    run_all(args, record, write, deadline)
     write(record)
     print(out.with_suffix(".md").read_text())
     return 0

@@ -118,3 +118,29 @@ def test_the_report_renders_from_the_record_failed_and_pending_arms_included(tmp
     assert "0.458 [0.437, 0.481]" in md and "0.510 [0.490, 0.530]" in md and "0.460 [0.440, 0.478]" in md
     assert "no (post hoc: its inference averages both strands)" in md
     assert "What is not compared fairly here" in md and mlm.LOAD_NOTE in md
+
+
+def test_arms_measured_earlier_are_kept_and_a_spent_budget_starts_nothing(tmp_path):
+    """Designed to finish in pieces: an arm recorded by an earlier invocation (same settings) is carried, not run
+    again; failed and stopped ones are run again; with the budget spent, the next arm is recorded as stopped without
+    a launch and nothing after it starts."""
+    import argparse
+    import time
+
+    settings = {"steps": None, "variants": None, "bootstrap": 1000, "seed": 0}
+    learning = {"mlm_transformer": _arm(), "gpn": {"failed": "x"}, "caduceus_ph": {"stopped": "y"}}
+    previous = {**settings, "learning": learning, "vep": {}}
+    record = mlm.carried(previous, {**settings, "learning": {}, "vep": {}})
+    assert list(record["learning"]) == ["mlm_transformer"]
+    assert mlm.carried(previous, {**settings, "steps": 20, "learning": {}, "vep": {}})["learning"] == {}
+
+    args = argparse.Namespace(work=str(tmp_path), vep=False, variants=None, steps=None, arms=list(mlm.ARMS),
+                              budgets=["tokens", "wall"])  # fmt: skip
+    writes = []
+    mlm.run_all(args, record, lambda r: writes.append(json.dumps(r)), deadline=time.monotonic())
+    assert record["learning"]["mlm_transformer"] == _arm()  # kept, not launched
+    assert list(record["learning"]) == ["mlm_transformer", "gpn"] and "stopped" in record["learning"]["gpn"]
+    assert len(writes) == 1 and not (tmp_path / "gpn").exists()
+    md = mlm.markdown({**record, "date": "d", "hardware": "h", "software": "s", "command": "c", "work": "w",
+                       "arms": list(mlm.ARMS)})  # fmt: skip
+    assert "| gpn | stopped: not started: this invocation's budget is spent |" in md
