@@ -120,7 +120,7 @@ PROBE_OPTIONAL = [
     ("transformers", "transformers", "the Hugging Face peer cells"),
     ("flash_attn", "flash-attn", "flash-attn 2 (attention auto then runs FA3, cuDNN or SDPA)"),
     ("flash_attn_interface", "flash-attn-3 (FlashAttention-3's hopper/ build)", "FlashAttention-3"),
-    ("mamba_ssm", "mamba-ssm", "Caduceus' fused CUDA scan against the torch scan (tests/test_caduceus.py)"),
+    ("mamba_ssm", "mamba-ssm", "Caduceus' fused CUDA scan against a float64 loop (tests/test_caduceus_scan.py)"),
 ]
 TESTS_CAP_S = 200
 GOALS = [("1B", 8192, 0.45), ("1B", 32768, 0.35)]  # (model, seq, MFU in the causal convention)

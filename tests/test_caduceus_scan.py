@@ -59,10 +59,12 @@ def assert_near(got: list[torch.Tensor], want: list[torch.Tensor], rel: float, w
         assert err <= rel, f"{what}: {name} off by {err:.2e} of its largest value (bound {rel:.0e})"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built_kernel():
-    """Builds the fused kernel once (tens of seconds the first time on a machine, then cached)."""
-    assert scan_cpu.available(), "the fused CPU selective scan did not build (stderr says why)"
+@pytest.fixture(autouse=True)
+def built_kernel(request):
+    """The fused kernel, built once per process (30-40 s the first time on a machine, then cached); not for the GPU
+    test, which a GPU check runs alone."""
+    if request.node.get_closest_marker("gpu") is None:
+        assert scan_cpu.available(), "the fused CPU selective scan did not build (stderr says why)"
 
 
 # Lengths below, at and across the kernel's 32-position checkpoints; N = 16 (the compiled-in size) and odd sizes.

@@ -84,7 +84,7 @@ def test_only_files_with_gpu_tests_are_collected():
     assert "tests/test_fp16_gpu.py" in files and "tests/test_model_layers.py" in files
     assert "tests/test_tune.py" not in files and "tests/test_gpu_check.py" not in files
     assert "tests/test_fused_paths.py" in files  # the fused paths against eager, on the GPU
-    assert "tests/test_caduceus.py" in files  # the fused CUDA scan against the torch scan
+    assert "tests/test_caduceus_scan.py" in files  # the fused CUDA scan against the float64 loop
 
 
 def test_gpu_test_step_counts_outcomes(tmp_path, monkeypatch):

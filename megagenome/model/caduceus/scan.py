@@ -68,6 +68,8 @@ def selective_scan(
 
 def scan_fused(u, dt, A_log, B, C, D, dt_bias) -> torch.Tensor:
     """The scan by scan_cpu's fused kernel, float32 inside: y (b, T, channels) float32."""
+    if not scan_cpu.available():
+        raise RuntimeError("the fused CPU selective scan was asked for, but it did not build here (stderr said why)")
     A = -torch.exp(A_log.float())  # (channels, N)
     delta = F.softplus(dt.float() + dt_bias.float())  # (b, T, channels)
     return scan_cpu.FusedScan.apply(u.float(), delta, A, B.float(), C.float(), D.float())

@@ -96,7 +96,7 @@ def _put_ninja_on_path() -> None:
 def _unavailable(reason: str) -> None:
     print(
         f"megagenome: the fused CPU selective scan is unavailable ({reason}); Caduceus uses the plain-torch scan, "
-        "20-40x slower on CPU",
+        "about 10x slower on CPU (benchmarks/results/selective_scan_cpu.md)",
         file=sys.stderr,
     )
     return None
