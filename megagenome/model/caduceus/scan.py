@@ -72,7 +72,8 @@ def scan_fused(u, dt, A_log, B, C, D, dt_bias) -> torch.Tensor:
         raise RuntimeError("the fused CPU selective scan was asked for, but it did not build here (stderr said why)")
     A = -torch.exp(A_log.float())  # (channels, N)
     delta = F.softplus(dt.float() + dt_bias.float())  # (b, T, channels)
-    return scan_cpu.FusedScan.apply(u.float(), delta, A, B.float(), C.float(), D.float())
+    u = u.to(torch.float32, memory_format=torch.contiguous_format)  # one copy where .float() then a layout copy
+    return scan_cpu.FusedScan.apply(u, delta, A, B.float(), C.float(), D.float())
 
 
 def scan_torch(u, dt, A_log, B, C, D, dt_bias) -> torch.Tensor:
