@@ -280,6 +280,9 @@ def carried(previous: dict, record: dict) -> dict:
         return record
     for section in ("learning", "vep"):
         record[section] = {k: v for k, v in previous.get(section, {}).items() if done(v)} | record[section]
+    for key in ("causal", "composition"):  # the BRCA1 table's reference rows, kept by a --no-vep invocation
+        if key in previous and key not in record:
+            record[key] = previous[key]
     return record
 
 
