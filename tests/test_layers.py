@@ -72,7 +72,7 @@ SEAMS = {
     "sklearn": {"observe/task_metrics", "after_training/supervised_vep"},
     "torchao": {"after_training/quantize", "train/optimizers"},  # int8 export; the 8-bit AdamW on CPU
     "bitsandbytes": {"train/optimizers"},  # the 8-bit AdamW on CUDA
-    "mambapy": {"model/caduceus/scan"},  # Caduceus' parallel scan on CPU
+    "mambapy": {"model/caduceus/scan"},  # Caduceus' torch scan (the reference and the fallback)
     "mamba_ssm": {"model/caduceus/scan"},  # its CUDA kernel, where installed
     "gpn": set(),  # the GPN oracle of tests/test_gpn.py: never the package
 }
