@@ -188,6 +188,16 @@ def test_without_a_compiler_the_torch_path_runs_and_says_so_once(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing built, nothing left
 
 
+def test_a_built_kernel_loads_without_a_compiler_or_ninja():
+    """Once built (the fixture), a process loads the library as it is: no compiler, no ninja, nothing printed (a
+    ninja of another version would otherwise rebuild it, and checking costs a second per process)."""
+    code = "import torch; from megagenome.model.caduceus import scan; print(scan.default_path(torch.zeros(1)))"
+    env = {**os.environ, "CXX": "no-such-compiler", "PATH": "/nonexistent"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["fused_cpu"], done.stderr
+    assert "selective scan" not in done.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or scan.selective_scan_fn is None, reason="needs CUDA, mamba_ssm")
 def test_cuda_kernel_is_the_float64_recurrence():

@@ -6,8 +6,8 @@ and never writes the (b, T, channels, N) tensors the plain-torch scan does: its 
 checkpoints every CHUNK positions (the kernel file's header has the algebra). Float32 inside; the caller casts.
 
 Built like DeepSpeed's CPU ops, by torch.utils.cpp_extension (g++ and ninja) at the first call in a process, into
-TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), in 30-40 s with g++; later processes load the cached
-library. It is compiled with -march=native, so the build is named by the processor (its model name and instruction
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), in 30-40 s with g++; later processes import the cached
+library as it is (_load_built: no compiler or ninja needed then). It is compiled with -march=native, so the build is named by the processor (its model name and instruction
 set flags): a build cache shared between machines (an NFS home directory on a cluster) holds one build per processor
 type, and a node never loads code built for instructions it lacks. The name also carries a digest of the source, so
 an edited kernel is rebuilt rather than a stale one loaded.
@@ -18,8 +18,10 @@ naming the reason, and the scan falls back to the plain-torch path (scan.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
@@ -49,25 +51,33 @@ def processor_tag(cpuinfo: str | None = None) -> str:
 
 
 def build_name() -> str:
-    """The extension's name: the processor's tag and the source's and flags' digest."""
-    source = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:8]
-    return f"megagenome_selective_scan_{processor_tag()}_{source}"
+    """The extension's name: the processor's tag and a digest of the source, the flags and torch's version (whose
+    C++ ABI the library is linked against)."""
+    key = SOURCE.read_bytes() + " ".join([*CFLAGS, torch.__version__]).encode()
+    return f"megagenome_selective_scan_{processor_tag()}_{hashlib.sha256(key).hexdigest()[:8]}"
 
 
 @functools.cache
 def extension():
     """The built module (forward, backward, CHUNK), or None with one line on stderr saying why not."""
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+    module = _load_built(name, directory)
+    if module is not None:
+        return module
     _put_ninja_on_path()
     compiler = os.environ.get("CXX", "c++")
     missing = [tool for tool in (compiler, "ninja") if shutil.which(tool) is None]
     if missing:
+        with contextlib.suppress(OSError):  # the empty folder _get_build_directory made: nothing left behind
+            directory.rmdir()
         return _unavailable(f"{' and '.join(missing)} not found")
-    from torch.utils import cpp_extension
-
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name=build_name(),
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
@@ -75,22 +85,44 @@ def extension():
         )
     except (RuntimeError, OSError, ImportError) as err:  # a failed compile or link, or a library that will not load
         return _unavailable(f"its build failed ({str(err).strip().splitlines()[-1] if str(err).strip() else err})")
-    seconds = time.perf_counter() - start
-    if seconds > 5:  # a build, not a cache hit
-        root = cpp_extension._get_build_directory(build_name(), verbose=False)
-        print(f"megagenome: built the fused CPU selective scan in {seconds:.0f} s (cached in {root})", file=sys.stderr)
+    print(
+        f"megagenome: built the fused CPU selective scan in {time.perf_counter() - start:.0f} s (cached in "
+        f"{directory})",
+        file=sys.stderr,
+    )
+    return module
+
+
+def _load_built(name: str, directory: Path):
+    """The cached build, imported as it is (milliseconds), or None where there is none yet or one is being built.
+
+    cpp_extension.load would run ninja to check the build first, which costs a second or more per process, and
+    rebuilds whenever the ninja that checks is another version than the one that built (their logs hash commands
+    differently): a system ninja and the venv's alternating rebuilt the kernel in every other process. The name
+    already names the source, flags, torch and processor, so a library of that name is the right one."""
+    library = directory / f"{name}.so"
+    if not library.exists() or (directory / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError:  # a library cut short by a killed build: cpp_extension.load builds it again
+        return None
     return module
 
 
 def _put_ninja_on_path() -> None:
-    """The ninja package's binary on PATH, which cpp_extension runs by name: a venv's python run without activating
-    the venv has the package but not its bin/ on PATH."""
+    """The ninja package's binary first on PATH, which cpp_extension runs by name: a venv's python run without
+    activating the venv has the package but not its bin/ on PATH, and a system ninja of another version would
+    rebuild what the venv's built (and the reverse)."""
     try:
         import ninja
     except ImportError:
         return
-    if shutil.which("ninja") is None:
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    path = os.environ.get("PATH", "")
+    if not path.startswith(ninja.BIN_DIR + os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
 def _unavailable(reason: str) -> None:

@@ -81,6 +81,14 @@ void check(const torch::Tensor& x, const char* name, int64_t dim) {
 // and few enough that the per-group dB and dC rows (b x groups x T x N floats each) stay small. A function of the
 // shapes only, never of the thread count, so that the sums (and so the gradients) are the same bits on any machine.
 constexpr int64_t WORK_ITEMS = 16;
+
+// Items per thread at least: about at::internal::GRAIN_SIZE state updates each, so that a small scan (a test's, a
+// short window's) runs on the calling thread instead of waking every OpenMP thread for microseconds of work, which
+// costs more than the work itself where ranks share cores.
+int64_t grain(const Shapes& s, int64_t channels_per_item) {
+    const int64_t work = std::max<int64_t>(1, s.T * s.N * channels_per_item);
+    return std::max<int64_t>(1, (at::internal::GRAIN_SIZE + work - 1) / work);
+}
 int64_t channel_groups(int64_t b, int64_t c) { return std::max<int64_t>(1, std::min(c, (WORK_ITEMS + b - 1) / b)); }
 
 }  // namespace
@@ -197,7 +205,7 @@ std::vector<torch::Tensor> forward(torch::Tensor u, torch::Tensor delta, torch::
     const float *pu = u.data_ptr<float>(), *pdelta = delta.data_ptr<float>(), *pA = A.data_ptr<float>();
     const float *pB = B.data_ptr<float>(), *pC = C.data_ptr<float>(), *pD = D.data_ptr<float>();
     float *py = y.data_ptr<float>(), *pck = ckpt.data_ptr<float>();
-    at::parallel_for(0, s.b * s.c, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, s.b * s.c, grain(s, 1), [&](int64_t begin, int64_t end) {
         if (s.N == 16)
             forward_items<16>(s, pu, pdelta, pA, pB, pC, pD, py, pck, begin, end);
         else
@@ -221,7 +229,7 @@ std::vector<torch::Tensor> backward(torch::Tensor u, torch::Tensor delta, torch:
     const float *pck = ckpt.data_ptr<float>(), *pdy = dy.data_ptr<float>();
     const Grads out{du.data_ptr<float>(),      ddelta.data_ptr<float>(),  dA_rows.data_ptr<float>(),
                     dD_rows.data_ptr<float>(), dB_rows.data_ptr<float>(), dC_rows.data_ptr<float>()};
-    at::parallel_for(0, s.b * groups, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, s.b * groups, grain(s, (s.c + groups - 1) / groups), [&](int64_t begin, int64_t end) {
         if (s.N == 16)
             backward_items<16>(s, groups, pu, pdelta, pA, pB, pC, pD, pck, pdy, out, begin, end);
         else
