@@ -7,10 +7,11 @@ checkpoints every CHUNK positions (the kernel file's header has the algebra). Fl
 
 Built like DeepSpeed's CPU ops, by torch.utils.cpp_extension (g++ and ninja) at the first call in a process, into
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), in 30-40 s with g++; later processes import the cached
-library as it is (_load_built: no compiler or ninja needed then). It is compiled with -march=native, so the build is named by the processor (its model name and instruction
-set flags): a build cache shared between machines (an NFS home directory on a cluster) holds one build per processor
-type, and a node never loads code built for instructions it lacks. The name also carries a digest of the source, so
-an edited kernel is rebuilt rather than a stale one loaded.
+library as it is (_load_built: no compiler or ninja needed then). It is compiled with -march=native, so the build is
+named by the processor (its model name and instruction set flags): a build cache shared between machines (an NFS home
+directory on a cluster) holds one build per processor type, and a node never loads code built for instructions it
+lacks. The name also carries a digest of the source, the flags and torch's version, so an edited kernel or another
+torch is built anew rather than a stale library loaded.
 
 When the build cannot run (no C++ compiler, no ninja, a failed compile), available() says so once, on one line
 naming the reason, and the scan falls back to the plain-torch path (scan.py).
