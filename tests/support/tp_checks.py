@@ -178,6 +178,7 @@ def _model(state, rank: int, size: int) -> dict:
                     "initial_weights": initial,
                     "loss": abs(float(loss_tp) - float(loss)),
                     "nll": abs(float(nll_tp) - float(nll)),
+                    "nll_scale": abs(float(nll)),  # a sum over the batch (~100): float32 ulp 7.6e-6
                     "weight": abs(float(weight_tp) - float(weight)),
                     "grad": _grad_diffs(dense, sharded, grads, rank, size),
                     "grad_scale": max(float(p.grad.abs().max()) for p in dense.parameters()),
