@@ -155,6 +155,13 @@ def test_recomputation_gives_the_same_gradients():
         assert torch.equal(a, b)
 
 
+def test_the_kernel_refuses_shapes_it_would_read_past():
+    """A B of the wrong length is an error from the kernel, never an out-of-bounds read."""
+    u, dt, A_log, B, C, D, _ = (x.detach() for x in scan_inputs(2, 40, c=8, N=16))
+    with pytest.raises(RuntimeError, match="B and C must be"):
+        scan_cpu.FusedScan.apply(u, dt.exp(), -A_log.exp(), B[:, :30], C, D)
+
+
 def test_the_processor_names_the_build():
     """A build cache shared between machines holds one build per processor type: the tag follows the instruction
     set flags and the model name, and the name carries the source's digest."""

@@ -77,10 +77,21 @@ void check(const torch::Tensor& x, const char* name, int64_t dim) {
     TORCH_CHECK(x.dim() == dim, "selective_scan_cpu: ", name, " must have ", dim, " dimensions");
 }
 
+// The shapes the kernel indexes by, each checked (a mismatch would read out of bounds, not fail).
+void check_shapes(const Shapes& s, const torch::Tensor& delta, const torch::Tensor& A, const torch::Tensor& B,
+                  const torch::Tensor& C, const torch::Tensor& D) {
+    TORCH_CHECK(delta.sizes() == torch::IntArrayRef({s.b, s.T, s.c}), "selective_scan_cpu: delta must be u's shape");
+    TORCH_CHECK(A.size(0) == s.c, "selective_scan_cpu: A must be (channels, N)");
+    for (const auto* x : {&B, &C})
+        TORCH_CHECK(x->sizes() == torch::IntArrayRef({s.b, s.T, s.N}), "selective_scan_cpu: B and C must be (b, T, N)");
+    TORCH_CHECK(D.size(0) == s.c, "selective_scan_cpu: D must be (channels,)");
+}
+
 // Channel groups per batch row in the backward: at least WORK_ITEMS work items (b x groups), enough for 16 threads,
 // and few enough that the per-group dB and dC rows (b x groups x T x N floats each) stay small. A function of the
 // shapes only, never of the thread count, so that the sums (and so the gradients) are the same bits on any machine.
 constexpr int64_t WORK_ITEMS = 16;
+int64_t channel_groups(int64_t b, int64_t c) { return std::max<int64_t>(1, std::min(c, (WORK_ITEMS + b - 1) / b)); }
 
 // Items per thread at least: about at::internal::GRAIN_SIZE state updates each, so that a small scan (a test's, a
 // short window's) runs on the calling thread instead of waking every OpenMP thread for microseconds of work, which
@@ -89,11 +100,6 @@ int64_t grain(const Shapes& s, int64_t channels_per_item) {
     const int64_t work = std::max<int64_t>(1, s.T * s.N * channels_per_item);
     return std::max<int64_t>(1, (at::internal::GRAIN_SIZE + work - 1) / work);
 }
-int64_t channel_groups(int64_t b, int64_t c) { return std::max<int64_t>(1, std::min(c, (WORK_ITEMS + b - 1) / b)); }
-
-}  // namespace
-
-namespace {
 
 // The forward of the items [begin, end), with NS > 0 the state size known at compile time (the loops over it
 // unrolled and the state kept in registers), NS = 0 any N.
@@ -200,6 +206,7 @@ std::vector<torch::Tensor> forward(torch::Tensor u, torch::Tensor delta, torch::
     check(u, "u", 3), check(delta, "delta", 3), check(A, "A", 2), check(B, "B", 3), check(C, "C", 3);
     check(D, "D", 1);
     const Shapes s = shapes_of(u, A);
+    check_shapes(s, delta, A, B, C, D);
     auto y = torch::empty_like(u);
     auto ckpt = torch::empty({s.b, s.c, s.chunks, s.N}, u.options());
     const float *pu = u.data_ptr<float>(), *pdelta = delta.data_ptr<float>(), *pA = A.data_ptr<float>();
@@ -219,6 +226,9 @@ std::vector<torch::Tensor> backward(torch::Tensor u, torch::Tensor delta, torch:
                                     torch::Tensor C, torch::Tensor D, torch::Tensor ckpt, torch::Tensor dy) {
     check(dy, "dy", 3), check(ckpt, "ckpt", 4);
     const Shapes s = shapes_of(u, A);
+    check_shapes(s, delta, A, B, C, D);
+    TORCH_CHECK(dy.sizes() == u.sizes(), "selective_scan_cpu: dy must be u's shape");
+    TORCH_CHECK(ckpt.sizes() == torch::IntArrayRef({s.b, s.c, s.chunks, s.N}), "selective_scan_cpu: ckpt's shape");
     const int64_t groups = channel_groups(s.b, s.c);
     auto du = torch::empty_like(u), ddelta = torch::empty_like(delta);
     auto dA_rows = torch::zeros({s.b, s.c, s.N}, u.options()), dD_rows = torch::zeros({s.b, s.c}, u.options());
