@@ -95,14 +95,16 @@ def extension():
 
 
 def _load_built(name: str, directory: Path):
-    """The cached build, imported as it is (milliseconds), or None where there is none yet or one is being built.
+    """The cached build, imported as it is (milliseconds), or None where there is none yet.
 
     cpp_extension.load would run ninja to check the build first, which costs a second or more per process, and
     rebuilds whenever the ninja that checks is another version than the one that built (their logs hash commands
     differently): a system ninja and the venv's alternating rebuilt the kernel in every other process. The name
-    already names the source, flags, torch and processor, so a library of that name is the right one."""
+    already names the source, flags, torch and processor, so a library of that name is the right one. A build's lock
+    file is not consulted: one left by a killed build would make cpp_extension.load wait for ever, where the library
+    it had finished loads."""
     library = directory / f"{name}.so"
-    if not library.exists() or (directory / "lock").exists():
+    if not library.exists():
         return None
     spec = importlib.util.spec_from_file_location(name, library)
     try:
