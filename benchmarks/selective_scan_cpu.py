@@ -158,16 +158,16 @@ def _compiler() -> str:
 # ------------------------------------------------------------------------------------------------------ 3. the step
 
 
-def build_arm(name: str, rank: int):
+def build_arm(name: str):
+    """An arm's model (ARMS) in bf16, its Mamba cores on the arm's scan path."""
     import torch
+    import yaml
 
     from megagenome.config.load import config_from_dict
     from megagenome.data.tokenizer import VOCAB_SIZE
     from megagenome.model import family_of
 
     path, overrides, scan_path = ARMS[name]
-    import yaml
-
     raw = yaml.safe_load((harness.REPO / path).read_text())
     cfg = config_from_dict({"model": raw["model"] | overrides}).model
     torch.manual_seed(0)
@@ -188,7 +188,7 @@ def step_worker(spec_path: pathlib.Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    models = {name: build_arm(name, rank) for name in ARMS}
+    models = {name: build_arm(name) for name in ARMS}
     g = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, 4, (MICRO, SEQ), generator=g)  # A, C, G, T
     labels = torch.randint(0, VOCAB_SIZE, (MICRO, SEQ), generator=g) % 4
