@@ -280,6 +280,7 @@ def carried(previous: dict, record: dict) -> dict:
         return record
     for section in ("learning", "vep"):
         record[section] = {k: v for k, v in previous.get(section, {}).items() if done(v)} | record[section]
+    record["arms"] = list(dict.fromkeys([*previous.get("arms", []), *record["arms"]]))  # still pending: still named
     for key in ("causal", "composition"):  # the BRCA1 table's reference rows, kept by a --no-vep invocation
         if key in previous and key not in record:
             record[key] = previous[key]

@@ -130,10 +130,10 @@ def test_arms_measured_earlier_are_kept_and_a_spent_budget_starts_nothing(tmp_pa
     settings = {"steps": None, "variants": None, "bootstrap": 1000, "seed": 0}
     learning = {"mlm_transformer": _arm(), "gpn": {"failed": "x"}, "caduceus_ph": {"stopped": "y"}}
     previous = {**settings, "learning": learning, "vep": {}}
-    record = mlm.carried(previous, {**settings, "learning": {}, "vep": {}})
-    assert list(record["learning"]) == ["mlm_transformer"]
+    record = mlm.carried(previous | {"arms": list(mlm.ARMS)}, {**settings, "learning": {}, "vep": {}, "arms": ["gpn"]})
+    assert list(record["learning"]) == ["mlm_transformer"] and record["arms"] == list(mlm.ARMS)
     rows = {"causal": [{"auroc": 0.458}], "composition": {"auroc": 0.46}}  # kept by a --no-vep invocation
-    assert mlm.carried(previous | rows, {**settings, "learning": {}, "vep": {}}).items() >= rows.items()
+    assert mlm.carried(previous | rows, {**settings, "learning": {}, "vep": {}, "arms": []}).items() >= rows.items()
     assert mlm.carried(previous, {**settings, "steps": 20, "learning": {}, "vep": {}})["learning"] == {}
 
     args = argparse.Namespace(work=str(tmp_path), vep=False, variants=None, steps=None, arms=list(mlm.ARMS),
