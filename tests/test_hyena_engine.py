@@ -229,7 +229,7 @@ def test_tensor_parallel_model_equals_dense_gradient_by_gradient(workers):
         for case, d in cases.items():
             print(f"rank {rank} {case}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items() if k != "local_params"))
             assert d["initial_weights"] == 0.0 and d["weight"] == 0.0, (case, d)  # the shards are the dense slices
-            assert d["loss"] <= 1e-6 and d["nll"] <= 1e-6 * d["nll_scale"], (case, d)
+            assert d["loss"] <= 1e-6 and d["nll"] <= 3e-7 * d["nll_scale"], (case, d)
             assert max(d["sharded"], d["replicated"]) <= GRAD_ATOL, (case, d)
             assert d["filter_mlp"] <= FILTER_MLP_RTOL * d["filter_mlp_scale"], (case, d)
             assert (d["filter_mlp_scale"] > 0) == case.startswith("hyena/"), (case, d)  # H layers have the MLP

@@ -170,7 +170,7 @@ def test_model_loss_and_gradients_equal_dense(two_ranks):
         assert len(cases) == 8
         for case, d in cases.items():
             assert d["initial_weights"] == 0.0, (rank, case, d)  # the factory's shard is the dense slice, exactly
-            assert d["loss"] <= 1e-6 and d["nll"] <= 1e-6 * d["nll_scale"] and d["weight"] == 0.0, (rank, case, d)
+            assert d["loss"] <= 1e-6 and d["nll"] <= 3e-7 * d["nll_scale"] and d["weight"] == 0.0, (rank, case, d)
             assert d["grad"] <= GRAD_ATOL, (rank, case, d)
             assert d["local_params"] < 0.55 * d["dense_params"], (case, d)  # each rank holds about half
         print(f"rank {rank}: largest gradient difference {max(d['grad'] for d in cases.values()):.3g}")
