@@ -15,7 +15,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megagenome", "megagenome.*"]),
     # DeepSpeed's config-section fields, copied for checks that import no deepspeed (megagenome/train/ds_schema.py).
-    package_data={"megagenome": ["train/ds_sections.json", "model/caduceus/csrc/*.cpp"]},
+    package_data={"megagenome": ["train/ds_sections.json", "model/caduceus/csrc/*.cpp", "model/caduceus/csrc/*.h"]},
     install_requires=[
         "torch==2.13.0",
         "deepspeed==0.19.8",

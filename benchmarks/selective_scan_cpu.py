@@ -1,10 +1,15 @@
-"""The fused CPU selective scan against the plain-torch scan it replaced: the scan, the step, the authors' code.
+"""The fused CPU kernels of Caduceus (the selective scan; the causal conv + SiLU) against the plain-torch path they
+replaced: the scan, the conv, the step and its profile, the authors' code.
 
 1. The scan alone (one process): forward + backward of selective_scan at the tiny config's size (b 8, T 1024, 256
    channels, N 16; configs/tiny_caduceus.yaml's inner width), the torch path (mambapy's parallel scan) and the fused
    kernel (model/caduceus/scan_cpu.py) in interleaved rounds at 1 and at 2 threads; the median seconds and the paired
    ratio per round, each path's peak memory above what the inputs hold (peak RSS), and each path's largest error
    against a float64 loop, relative to the largest value (output and the seven gradients).
+   The conv alone (same process, 1 thread): forward + backward of the reverse direction's depthwise causal conv +
+   SiLU at the same size (k 4), bf16 as the step runs it, on the mixer's strided input (u interleaved with z): torch's
+   flip, pad, conv1d and SiLU against scan_cpu.conv_silu; median seconds, paired ratio, and each one's largest error
+   against float64 arithmetic on the same bf16 inputs.
 2. The kernel's build time: a fresh process with an empty TORCH_EXTENSIONS_DIR builds it (g++ and ninja), then a
    second process loads the cached build.
 3. The training step on 2 CPU ranks (`deepspeed --num_gpus 2 benchmarks/selective_scan_cpu.py --worker`, gloo, one
@@ -14,6 +19,8 @@
    micro batch of 4 x 1024 bases (the configs' own), the optimizer left out (the same 0.86M parameters in every arm).
    Interleaved rounds, each arm one step per round after a warm-up step; a figure is the median over rounds of the
    slower rank's seconds, tokens/s = 2 x 4 x 1024 over it, and the ratio against the transformer is paired per round.
+   Then one step of each Caduceus arm under torch.profiler on rank 0: the ops with the most self time, as shares of
+   the step (an autograd Function of ours shows by its name: FusedScan, FusedConvSiLU and their Backward nodes).
 4. The authors' code, forward + backward in one process (1 thread, fp32, interleaved): our one-direction Mamba mixer
    (MambaMixer(bidirectional=False), the fused scan) against mambapy's MambaBlock, and our GPN (configs/tiny_gpn.yaml)
    against the gpn package's GPNForMaskedLM of the same shape. tests/test_caduceus.py and tests/test_gpn.py map the
@@ -117,6 +124,55 @@ def scan_part(rounds: int) -> dict:
     return out | {"peak_bytes": memory, "errors": errors}
 
 
+CONV_TAPS = 4  # configs/tiny_caduceus.yaml's ssm_conv_len
+
+
+def torch_conv_silu(u, weight, bias):
+    """The torch path's reverse-direction conv + SiLU (model/caduceus/mamba.py MambaCore.conv_silu)."""
+    import torch.nn.functional as F
+
+    v = u.flip(1)
+    x = F.conv1d(F.pad(v.transpose(1, 2), (CONV_TAPS - 1, 0)), weight.to(v.dtype).unsqueeze(1), bias.to(v.dtype),
+                 groups=weight.shape[0])  # fmt: skip
+    return F.silu(x.transpose(1, 2))
+
+
+def conv_part(rounds: int) -> dict:
+    import torch
+
+    from megagenome.model.caduceus import scan_cpu
+
+    b, T, c, _ = SCAN_SHAPE
+    g = torch.Generator().manual_seed(2)
+    uz = torch.randn(b, T, 2 * c, generator=g).bfloat16()
+    weight, bias = torch.randn(c, CONV_TAPS, generator=g) / 2, torch.randn(c, generator=g)
+    dx = torch.randn(b, T, c, generator=g).bfloat16()
+    paths = {"torch": torch_conv_silu, "fused_cpu": lambda u, w, bi: scan_cpu.conv_silu(u, w, bi, reverse=True)}
+
+    def run(fn, dtype=torch.bfloat16):
+        xs = [uz.to(dtype)[..., ::2].requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+        if dtype == torch.float64:
+            xs[1:] = [x.detach().double().requires_grad_() for x in xs[1:]]
+        x = fn(*xs)
+        return [x.detach(), *torch.autograd.grad((x * dx.to(x.dtype)).sum(), xs)]
+
+    torch.set_num_threads(1)
+    for fn in paths.values():
+        run(fn)  # warm-up
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    for _, p in harness.interleaved(list(paths), rounds):
+        times[p].append(harness.timed(run, paths[p])[1])
+    want = run(torch_conv_silu, torch.float64)
+    errors = {
+        p: {n: ((g.double() - w).abs().max() / w.abs().max()).item() for n, g, w in zip(CONV_NAMES, run(fn), want)}
+        for p, fn in paths.items()
+    }
+    ratio = harness.quartiles(harness.paired_ratios(times["torch"], times["fused_cpu"]))
+    return {"taps": CONV_TAPS, "seconds": times, "ratio": ratio, "errors": errors}
+
+
+CONV_NAMES = ("x", "u", "weight", "bias")
+
 _PEAK = (
     "import sys, torch, harness, selective_scan_cpu as b; from megagenome.model.caduceus import scan; "
     "torch.set_num_threads(1); xs = b.scan_inputs(*b.SCAN_SHAPE); w = torch.randn(b.SCAN_SHAPE[:3]); "
@@ -208,9 +264,27 @@ def step_worker(spec_path: pathlib.Path) -> None:
     for _, name in harness.interleaved(list(ARMS), spec["rounds"]):
         times[name].append(harness.timed(step, name, barrier=dist.barrier)[1])
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
-    (pathlib.Path(spec["work"]) / f"rank{rank}.json").write_text(json.dumps({"times": times, "params": params}))
+    profiles = {name: profiled(step, name) for name in ARMS if name.startswith("caduceus")}
+    record = {"times": times, "params": params, "profiles": profiles}
+    (pathlib.Path(spec["work"]) / f"rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
+
+
+PROFILE_TOP = 8  # ops listed per profiled arm; the rest is one "other" row
+
+
+def profiled(step, name: str) -> dict:
+    """One step of the arm under torch.profiler: the PROFILE_TOP ops with the most self time, as shares of the sum
+    of all self times (the step's time in ops), and that sum in seconds."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(name)
+    ops = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    total = sum(t for _, t in ops)
+    top = [[key, t / total] for key, t in ops[:PROFILE_TOP]]
+    return {"total_s": total / 1e6, "top": top + [["other", 1 - sum(share for _, share in top)]]}
 
 
 def step_part(rounds: int, work: pathlib.Path) -> dict:
@@ -222,7 +296,8 @@ def step_part(rounds: int, work: pathlib.Path) -> dict:
         raise SystemExit(f"the step launch failed ({rc}); its log ends:\n{tail}")
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
     slowest = harness.slowest_per_round(ranks, "times", ARMS)
-    out = {"params": ranks[0]["params"], "seconds": slowest, "tokens_per_step": 2 * MICRO * SEQ, "arms": {}}
+    out = {"params": ranks[0]["params"], "seconds": slowest, "tokens_per_step": 2 * MICRO * SEQ, "arms": {},
+           "profiles": ranks[0]["profiles"]}  # fmt: skip
     for name in ARMS:
         ratio = harness.quartiles(harness.paired_ratios(slowest[name], slowest[REFERENCE]))
         out["arms"][name] = {"median_s": harness.median(slowest[name]), "ratio": ratio}
@@ -292,7 +367,7 @@ def fmt_ratio(q: list[float]) -> str:
 
 
 def markdown(record: dict) -> str:
-    lines = ["# The fused CPU selective scan", "", *harness.header(record["meta"]), ""]
+    lines = ["# The fused CPU kernels of Caduceus", "", *harness.header(record["meta"]), ""]
     lines += [
         "Written by `benchmarks/selective_scan_cpu.py` (its docstring says how each figure is measured). Ratios "
         "are medians of paired per-round ratios, with the interquartile range; times are medians.",
@@ -313,6 +388,17 @@ def markdown(record: dict) -> str:
         rows = [[p] + [f"{s['errors'][p][n]:.1e}" for n in NAMES] for p in PATHS]
         lines += ["Largest error against a float64 loop, relative to the largest value:", ""]
         lines += harness.table(["path", *NAMES], rows) + [""]
+    if "conv" in record:
+        cv = record["conv"]
+        med = {p: harness.median(cv["seconds"][p]) for p in PATHS}
+        lines += [f"### The reverse direction's conv + SiLU: b {SCAN_SHAPE[0]}, T {SCAN_SHAPE[1]}, {SCAN_SHAPE[2]} "
+                  f"channels, k {cv['taps']}, bf16, forward + backward, 1 thread", ""]  # fmt: skip
+        rows = [[f"{med['torch']:.4f}", f"{med['fused_cpu']:.4f}", fmt_ratio(cv["ratio"])]]
+        lines += harness.table(["torch path s", "fused s", "speedup"], rows) + [""]
+        rows = [[p] + [f"{cv['errors'][p][n]:.1e}" for n in CONV_NAMES] for p in PATHS]
+        lines += ["Largest error against float64 arithmetic on the same bf16 inputs, relative to the largest value "
+                  "(the outputs are bf16, rounded to 2^-9):", ""]  # fmt: skip
+        lines += harness.table(["path", *CONV_NAMES], rows) + [""]
     if "build" in record:
         b = record["build"]
         lines += ["## 2. The build", "", f"First use in a fresh cache: {b['build_s']:.1f} s ({b['compiler']}); a "
@@ -325,6 +411,10 @@ def markdown(record: dict) -> str:
             tps = st["tokens_per_step"] / a["median_s"]
             rows.append([name, f"{st['params'][name]:,}", f"{a['median_s']:.3f}", f"{tps:,.0f}", fmt_ratio(a["ratio"])])
         lines += harness.table(["arm", "parameters", "step s", "tokens/s", "x the transformer's step"], rows) + [""]
+        for name, prof in st.get("profiles", {}).items():
+            lines += [f"Profile of one {name} step (rank 0, self time in ops: {prof['total_s']:.2f} s):", ""]
+            lines += harness.table(["op", "share"], [[f"`{key}`", f"{share:.1%}"] for key, share in prof["top"]])
+            lines += [""]
     if "authors" in record:
         au = record["authors"]
         lines += ["## 4. Against the authors' code, forward + backward, 1 thread, fp32, 4 x 1024", ""]
@@ -356,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         record["build"] = build_part()
     if "scan" in args.parts:
         record["scan"] = scan_part(args.rounds)
+        record["conv"] = conv_part(args.rounds)
     if "authors" in args.parts:
         record["authors"] = authors_part(args.rounds)
     if "step" in args.parts:

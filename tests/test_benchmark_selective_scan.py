@@ -19,6 +19,7 @@ def test_the_committed_report_is_its_record_rendered():
     md = bench.markdown(record)
     assert md == (results / "selective_scan_cpu.md").read_text()
     assert "| caduceus_ps fused |" in md and "| caduceus_ps torch |" in md and "## 2. The build" in md
+    assert "conv + SiLU" in md and "Profile of one caduceus_ps fused step" in md
 
 
 def test_every_caduceus_arm_runs_both_paths_and_the_references_run_neither():

@@ -14,7 +14,8 @@ torch.utils.flop_counter.FlopCounterMode sees on the real forward with the fused
 
     projections  2 x (2cd + cd) in_proj and out_proj, per direction 2 x (c(r + 2N) + rc) x_proj and dt_proj, the
                  head 2 x d x padded vocabulary (counted)
-    conv         per direction 2ck, the depthwise causal convolution (counted)
+    conv         per direction 2ck, the depthwise causal convolution (inside the fused CPU kernel, so not counted on
+                 CPU; torch's conv1d of the other paths is)
     readout      per direction 2cN, C_t . h_t (inside the fused scan, so not counted; the torch fallback's batched
                  matmul is)
     scan         per direction SCAN_FLOPS_PER_STATE = 6 per channel and state: exp(delta A) 2, delta B u 2 (delta u is
@@ -33,14 +34,14 @@ there is no dropout); selective reruns each direction's scan (readout and elemen
 Activation bytes (what autograd saves with the fused scan; estimated from the tensors of mamba.py, scan.py and
 scan_cpu.py, checked against the saved-tensor count within ACTIVATION_TOLERANCE in tests/test_caduceus_costs.py; the
 block's terms are exact, the model's differ by the head's views). With b the micro batch (2b under ps), s the
-sequence length, M = b*s, e the activation element size: per block the norm 8Md + 4M and in_proj's input Mde; per
-direction the padded conv input bc(s + k - 1)e, the conv output and SiLU output 2Mce, x_proj's output M(r + 2N)e,
-and the scan's float32 internals: A twice 8cN, three (M, c) tensors 12Mc (softplus' input, delta, and u made
-contiguous), B and C made contiguous 8MN, the state checkpoints 4bc ceil(s / SCAN_CHUNK) N (under 16-bit also D's
-float32 copy 4c); the gate: in_proj's output 2Mce, the directions' sum, SiLU(z) and out_proj's input 3Mce; dropout's
-mask Md*m. Selective checkpointing keeps, of the scan, only dt (Mce) beyond what the block keeps anyway, and where
-b > 1 one more (M, c) tensor in e (measured, a layout copy). Full keeps each block's input (Mde), every_k each
-segment's; outside: the transformer's.
+sequence length, M = b*s, e the activation element size: per block the norm 8Md + 4M, in_proj's input Mde and its
+u made contiguous once Mce (the fused conv's input, both directions'); per direction the conv + SiLU output Mce
+(x_proj's input), x_proj's output M(r + 2N)e, and the scan's float32 internals: A twice 8cN, softplus' input and delta
+8Mc, u in float32 4Mc under 16-bit (in float32 it is the conv's output), B and C made contiguous 8MN, the state
+checkpoints 4bc ceil(s / SCAN_CHUNK) N (under 16-bit also D's float32 copy 4c, and the conv's of its taps and bias
+4c(k + 1)); the gate: in_proj's output 2Mce, the directions' sum, SiLU(z) and out_proj's input 3Mce; dropout's
+mask Md*m. Selective checkpointing keeps, of the scan, only dt (Mce) beyond what the block keeps anyway. Full keeps
+each block's input (Mde), every_k each segment's; outside: the transformer's.
 """
 
 from __future__ import annotations
@@ -149,16 +150,17 @@ class CaduceusShape(ParamTable):
         }
 
     def counted_forward_flops_per_token(self) -> float:
-        """The forward FLOPs per training token that FlopCounterMode counts (matmuls, convolutions; not the readout,
-        which runs inside the fused scan)."""
+        """The forward FLOPs per training token that FlopCounterMode counts on CPU (the matmuls; not the conv nor
+        the readout, which run inside the fused kernels)."""
         terms = self.block_forward_terms()
-        block = terms["projections"] + terms["conv"]
+        block = terms["projections"]
         return self.strands * (self.n_layer * block + 2.0 * self.d_model * self.padded_vocab)
 
     def forward_flops_per_token(self, seq: int) -> float:
         """Forward FLOPs per training token, every term (independent of seq: the scan is linear in T)."""
         terms = self.block_forward_terms()
-        return self.counted_forward_flops_per_token() + self.strands * self.n_layer * (terms["readout"] + terms["scan"])
+        fused = terms["conv"] + terms["readout"] + terms["scan"]
+        return self.counted_forward_flops_per_token() + self.strands * self.n_layer * fused
 
     def flops_per_token(self, seq: int, causal: bool | None = None) -> float:
         """Training FLOPs per token (3 x forward); no attention, so both conventions agree."""
@@ -198,13 +200,14 @@ class CaduceusShape(ParamTable):
         norm, in_proj's input, x_proj's (all-reduced) output and the dropout mask stay whole."""
         b, s, d, c, N, r = micro, seq, self.d_model, self.inner // tp, self.state_size, self.dt_rank
         M, m = b * s, e if mask_bytes is None else mask_bytes
-        base = 8 * M * d + 4 * M + M * d * e + 2 * M * c * e + 3 * M * c * e
+        base = 8 * M * d + 4 * M + M * d * e + M * c * e + 2 * M * c * e + 3 * M * c * e
         base += M * d * m if self.dropout > 0 else 0
-        direction = b * c * (s + self.conv_len - 1) * e + 2 * M * c * e + M * (r + 2 * N) * e
+        direction = M * c * e + M * (r + 2 * N) * e + (4 * c * (self.conv_len + 1) if e != 4 else 0)  # taps, bias
         checkpoints = 4 * b * c * math.ceil(s / SCAN_CHUNK) * N
-        scan = 8 * c * N + 12 * M * c + 8 * M * N + checkpoints + (4 * c if e != 4 else 0)
+        casts = 4 * M * c + 4 * c if e != 4 else 0  # u and D in float32
+        scan = 8 * c * N + 8 * M * c + 8 * M * N + checkpoints + casts
         full = base + DIRECTIONS * (direction + scan)
-        kept = M * c * e * (2 if b > 1 else 1)  # dt, and where b > 1 one more (M, c) copy (measured)
+        kept = M * c * e  # dt
         return full, base + DIRECTIONS * (direction + kept)
 
     def activation_bytes(

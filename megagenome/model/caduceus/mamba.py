@@ -6,15 +6,17 @@ One direction (MambaCore), with c = ssm_expand x d_model inner channels, N = sta
     u (b, T, c) -> depthwise causal conv1d of k taps with bias -> SiLU -> x_proj (c -> r + 2N) = (dt, B, C)
     -> dt_proj (r -> c) -> selective scan (scan.py; softplus(dt + dt_bias), A = -exp(A_log), D) -> y (b, T, c)
 
-The mixer (MambaMixer): in_proj (d -> 2c) gives (u, z), its rows interleaved per channel (u_0, z_0, u_1, z_1, ...:
-row 2i is mamba_simple's row i, row 2i + 1 its row c + i, so that any contiguous block of rows, a tensor-parallel
-rank's, holds the u and z of the same channels); y = core_fwd(u) + flip_T(core_rev(flip_T(u))) (the reverse
-direction reads the sequence backwards; Mamba's in_proj of the flipped input is the flipped in_proj output, so one
-in_proj call serves both), then out_proj(y * SiLU(z)) (c -> d). in_proj and out_proj are shared by the two
-directions: one module each, called once per forward (Caduceus ties the reverse Mamba's to the forward's; the gate
-and out_proj are linear in y, so gating and projecting the sum is gating and projecting each direction and adding).
-Conv, x_proj, dt_proj, dt_bias, A_log and D are each direction's own. A one-direction mixer (bidirectional=False) is
-plain Mamba, what tests/test_caduceus.py compares with mambapy's MambaBlock.
+(on the fused_cpu path the conv and SiLU are one kernel, scan_cpu.conv_silu, as the scan is another).
+
+The mixer (MambaMixer): in_proj (d -> 2c) gives (u, z), its rows interleaved per channel (u_0, z_0, u_1, z_1, ...: row
+2i is mamba_simple's row i, row 2i + 1 its row c + i, so that any contiguous block of rows, a tensor-parallel rank's,
+holds the u and z of the same channels); y = core_fwd(u) + flip_T(core_rev(flip_T(u))) (the reverse direction reads the
+sequence backwards: its conv reads u from the end, the fused one without a flipped copy; Mamba's in_proj of the flipped
+input is the flipped in_proj output, so one in_proj call serves both), then out_proj(y * SiLU(z)) (c -> d). in_proj and
+out_proj are shared by the two directions: one module each, called once per forward (Caduceus ties the reverse Mamba's
+to the forward's; the gate and out_proj are linear in y, so gating and projecting the sum is gating and projecting each
+direction and adding). Conv, x_proj, dt_proj, dt_bias, A_log and D are each direction's own. A one-direction mixer
+(bidirectional=False) is plain Mamba, what tests/test_caduceus.py compares with mambapy's MambaBlock.
 
 The block (CaduceusBlock) is pre-norm residual, x + dropout(mixer(RMSNorm(x))), with no MLP (Caduceus has none).
 
@@ -40,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megagenome.config import ModelConfig
-from megagenome.model.caduceus.scan import selective_scan
+from megagenome.model.caduceus import scan_cpu
+from megagenome.model.caduceus.scan import default_path, selective_scan
 from megagenome.model.layers import RMSNorm
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Mamba's step initialisation range
@@ -109,12 +112,21 @@ class MambaCore(nn.Module):
         w = self.conv_weight.to(u.dtype).unsqueeze(1)  # (c, 1, k)
         return F.conv1d(x, w, self.conv_bias.to(u.dtype), groups=w.shape[0]).transpose(1, 2)  # (b, T, c)
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        x = F.silu(self.conv(u))  # (b, T, c)
+    def conv_silu(self, u: torch.Tensor, reverse: bool, path: str) -> torch.Tensor:
+        """SiLU(conv(u)), or of u.flip(1) where reverse (in that flipped order): one fused kernel on the fused_cpu
+        path (scan_cpu.conv_silu, with no flipped copy of u), torch's conv1d and SiLU otherwise."""
+        if path == "fused_cpu":
+            return scan_cpu.conv_silu(u, self.conv_weight, self.conv_bias, reverse)
+        return F.silu(self.conv(u.flip(1) if reverse else u))
+
+    def forward(self, u: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+        """y (b, T, c) of u (b, T, c); reverse: of u.flip(1), in that flipped order (the mixer's reverse direction)."""
+        path = self.scan_path or default_path(u)
+        x = self.conv_silu(u, reverse, path)  # (b, T, c)
         dt, BC = self.x_proj(x).split(self.sizes, dim=-1)  # (b, T, r), (b, T, 2N)
         B, C = self.enter(BC).chunk(2, dim=-1)  # (b, T, N) each
         dt = self.dt_proj(dt)  # (b, T, c)
-        scan = functools.partial(selective_scan, path=self.scan_path)
+        scan = functools.partial(selective_scan, path=path)
         if self.recompute is not None and torch.is_grad_enabled():
             scan = functools.partial(self.recompute, scan)
         return scan(x, dt, self.A_log, B, C, self.D, self.dt_bias)  # (b, T, c)
@@ -136,9 +148,10 @@ class MambaMixer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u, z = self.in_proj(x).unflatten(-1, (-1, 2)).unbind(-1)  # (b, T, c) each: the rows interleave u and z
+        u = u.contiguous()  # once for both directions (the fused conv reads it so; saved once)
         y = self.fwd(u)  # (b, T, c)
         if self.rev is not None:
-            y = y + self.rev(u.flip(1)).flip(1)  # the reverse direction, read backwards and flipped back
+            y = y + self.rev(u, reverse=True).flip(1)  # the reverse direction, read backwards, flipped back
         return self.out_proj(y * F.silu(z))  # (b, T, d_model)
 
 

@@ -1,9 +1,13 @@
-"""The fused CPU selective scan (layer L1): csrc/selective_scan_cpu.cpp, built at first use and called through an
-autograd Function.
+"""The fused CPU kernels of a Mamba direction (layer L1), built at first use into one extension and called through
+autograd Functions:
 
-The kernel walks each (batch row, channel) through time with its N states in registers, on torch's intra-op threads,
-and never writes the (b, T, channels, N) tensors the plain-torch scan does: its backward recomputes the states from
-checkpoints every CHUNK positions (the kernel file's header has the algebra). Float32 inside; the caller casts.
+- FusedScan, the selective scan (csrc/selective_scan_cpu.cpp): walks each (batch row, channel) through time with its
+  N states in registers, on torch's intra-op threads, and never writes the (b, T, channels, N) tensors the plain-torch
+  scan does: its backward recomputes the states from checkpoints every CHUNK positions (the kernel file's header has
+  the algebra). Float32 inside; the caller casts.
+- FusedConvSiLU, the depthwise causal conv + SiLU before it (csrc/causal_conv_cpu.cpp): in the mixer's (b, T, c)
+  layout, in the activations' dtype with float32 arithmetic, optionally reading the sequence backwards (the reverse
+  direction's input, without its flipped copy); the backward recomputes the pre-activation.
 
 Built like DeepSpeed's CPU ops, by torch.utils.cpp_extension (g++ and ninja) at the first call in a process, into
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), in 30-40 s with g++; later processes import the cached
@@ -32,7 +36,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "selective_scan_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "selective_scan_cpu.cpp", CSRC / "causal_conv_cpu.cpp"]  # the first holds the module's bindings
+HEADERS = [CSRC / "mamba_cpu.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -52,15 +58,16 @@ def processor_tag(cpuinfo: str | None = None) -> str:
 
 
 def build_name() -> str:
-    """The extension's name: the processor's tag and a digest of the source, the flags and torch's version (whose
+    """The extension's name: the processor's tag and a digest of the sources, the flags and torch's version (whose
     C++ ABI the library is linked against)."""
-    key = SOURCE.read_bytes() + " ".join([*CFLAGS, torch.__version__]).encode()
+    key = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join([*CFLAGS, torch.__version__]).encode()
     return f"megagenome_selective_scan_{processor_tag()}_{hashlib.sha256(key).hexdigest()[:8]}"
 
 
 @functools.cache
 def extension():
-    """The built module (forward, backward, CHUNK), or None with one line on stderr saying why not."""
+    """The built module (forward, backward, CHUNK, conv_silu_forward, conv_silu_backward), or None with one line on
+    stderr saying why not."""
     from torch.utils import cpp_extension
 
     name = build_name()
@@ -79,7 +86,7 @@ def extension():
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -87,8 +94,8 @@ def extension():
     except (RuntimeError, OSError, ImportError) as err:  # a failed compile or link, or a library that will not load
         return _unavailable(f"its build failed ({str(err).strip().splitlines()[-1] if str(err).strip() else err})")
     print(
-        f"megagenome: built the fused CPU selective scan in {time.perf_counter() - start:.0f} s (cached in "
-        f"{directory})",
+        f"megagenome: built the fused CPU kernels of Caduceus (selective scan, conv) in "
+        f"{time.perf_counter() - start:.0f} s (cached in {directory})",
         file=sys.stderr,
     )
     return module
@@ -130,8 +137,8 @@ def _put_ninja_on_path() -> None:
 
 def _unavailable(reason: str) -> None:
     print(
-        f"megagenome: the fused CPU selective scan is unavailable ({reason}); Caduceus uses the plain-torch scan, "
-        "about 10x slower on CPU (benchmarks/results/selective_scan_cpu.md)",
+        f"megagenome: the fused CPU kernels of Caduceus are unavailable ({reason}); it uses the plain-torch scan and "
+        "conv, about 10x slower on CPU (benchmarks/results/selective_scan_cpu.md)",
         file=sys.stderr,
     )
     return None
@@ -156,3 +163,30 @@ class FusedScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return tuple(extension().backward(*ctx.saved_tensors, dy.contiguous()))
+
+
+class FusedConvSiLU(torch.autograd.Function):
+    """x (b, T, c) in u's dtype = SiLU(the depthwise causal conv of u (b, T, c) with weight (c, k) and bias (c)),
+    float32 arithmetic (float64 for float64 u); reverse: the conv of u.flip(1), in that flipped order. Saves u."""
+
+    @staticmethod
+    def forward(ctx, u, weight, bias, reverse: bool):
+        u = u.contiguous()
+        x = extension().conv_silu_forward(u, weight.contiguous(), bias.contiguous(), reverse)
+        ctx.save_for_backward(u, weight, bias)
+        ctx.reverse = reverse
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):
+        u, weight, bias = ctx.saved_tensors
+        du, dweight, dbias = extension().conv_silu_backward(u, weight, bias, dx.contiguous(), ctx.reverse)
+        return du, dweight, dbias, None
+
+
+def conv_silu(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """FusedConvSiLU of u with the taps and bias cast to its arithmetic's dtype (a cast autograd follows back)."""
+    if not available():
+        raise RuntimeError("the fused CPU conv was asked for, but the kernels did not build here (stderr said why)")
+    arithmetic = torch.float64 if u.dtype == torch.float64 else torch.float32
+    return FusedConvSiLU.apply(u, weight.to(arithmetic), bias.to(arithmetic), reverse)

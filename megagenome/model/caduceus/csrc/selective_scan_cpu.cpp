@@ -1,4 +1,5 @@
-// The selective scan on CPU, fused (megagenome/model/caduceus/scan_cpu.py builds and calls it).
+// The selective scan on CPU, fused (megagenome/model/caduceus/scan_cpu.py builds and calls it), and the bindings of
+// the extension it is built into with causal_conv_cpu.cpp.
 //
 // Of u, delta (b, T, c), A (c, N) = -exp(A_log), B, C (b, T, N) and D (c), all float32 and contiguous:
 //
@@ -25,42 +26,13 @@
 // channels of one batch row, below) and torch sums the rows afterwards, so no two threads ever write the same float
 // and the result does not depend on the thread count.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
+#include "mamba_cpu.h"
 
 namespace {
 
 constexpr int64_t CHUNK = 32;  // positions between the forward's state checkpoints
-
-// exp(x) for the decays (x = delta A <= 0), in arithmetic the compiler vectorises: x = k ln2 + r with |r| <= ln2/2,
-// e^r by its Taylor polynomial to r^7 (relative error under 2e-8 before rounding), 2^k by the exponent bits. Below
-// -87 (where float's normal range ends) it gives 0, as expf underflows.
-inline float exp_neg(float x) {
-    const float below = x < -87.0f ? 0.0f : 1.0f;
-    x = std::max(x, -87.0f);
-    x = std::min(x, 88.0f);
-    const float k = std::nearbyint(x * 1.44269504088896341f);
-    const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
-    float p = 1.98412698e-4f;  // 1/5040
-    p = p * r + 1.38888889e-3f;
-    p = p * r + 8.33333333e-3f;
-    p = p * r + 4.16666667e-2f;
-    p = p * r + 1.66666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return p * scale * below;
-}
 
 struct Shapes {
     int64_t b, T, c, N, chunks;
@@ -123,7 +95,7 @@ void forward_items(const Shapes& s, const float* pu, const float* pdelta, const 
             float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
             for (int64_t n = 0; n < N; ++n) {
-                h[n] = exp_neg(delta * a[n]) * h[n] + du * bt[n];
+                h[n] = exp_fast(delta * a[n]) * h[n] + du * bt[n];
                 acc += ct[n] * h[n];
             }
             py[at_t] = acc + d_skip * ut;
@@ -166,7 +138,7 @@ void backward_items(const Shapes& s, int64_t groups, const float* pu, const floa
                     float *h = &states[(i + 1) * N], *dec = &decays[i * N];
 #pragma omp simd
                     for (int64_t n = 0; n < N; ++n) {
-                        dec[n] = exp_neg(delta * a[n]);
+                        dec[n] = exp_fast(delta * a[n]);
                         h[n] = dec[n] * h_prev[n] + dut * bt[n];
                     }
                 }
@@ -252,4 +224,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("forward", &forward, "the fused selective scan: y and the state checkpoints");
     m.def("backward", &backward, "its gradients, recomputing each chunk's states from the checkpoints");
     m.attr("CHUNK") = CHUNK;
+    m.def("conv_silu_forward", &conv_silu_forward, "the depthwise causal conv + SiLU (causal_conv_cpu.cpp)");
+    m.def("conv_silu_backward", &conv_silu_backward, "its gradients, recomputing the pre-activation");
 }
