@@ -67,8 +67,10 @@ def built_kernel(request):
         assert scan_cpu.available(), "the fused CPU selective scan did not build (stderr says why)"
 
 
-# Lengths below, at and across the kernel's 32-position checkpoints; N = 16 (the compiled-in size) and odd sizes.
-SHAPES = [(2, 1, 6, 5), (2, 7, 6, 5), (2, 32, 6, 5), (2, 33, 6, 5), (2, 100, 7, 17), (3, 130, 64, 16)]
+# Lengths below, at and across the kernel's 32-position checkpoints; N = 16 (the compiled-in size) and odd sizes;
+# channels in full 16-channel blocks, in a partial one, and both.
+SHAPES = [(2, 1, 6, 5), (2, 7, 6, 5), (2, 32, 6, 5), (2, 33, 6, 5), (2, 100, 7, 17), (3, 130, 64, 16),
+          (2, 45, 37, 16), (2, 33, 20, 5)]  # fmt: skip
 
 
 @pytest.mark.parametrize("path", CPU_PATHS)
