@@ -1,10 +1,10 @@
 """The fused CPU kernels of a Mamba direction (layer L1), built at first use into one extension and called through
 autograd Functions:
 
-- FusedScan, the selective scan (csrc/selective_scan_cpu.cpp): walks each (batch row, channel) through time with its
-  N states in registers, on torch's intra-op threads, and never writes the (b, T, channels, N) tensors the plain-torch
-  scan does: its backward recomputes the states from checkpoints every CHUNK positions (the kernel file's header has
-  the algebra). Float32 inside; the caller casts.
+- FusedScan, the selective scan (csrc/selective_scan_cpu.cpp): walks blocks of 16 channels of a batch row through time,
+  each of the N states one vector of them, on torch's intra-op threads, and never writes the (b, T, channels, N) tensors
+  the plain-torch scan does: its backward recomputes the states from checkpoints every CHUNK positions (the kernel
+  file's header has the algebra). Float32 inside; the caller casts.
 - FusedConvSiLU, the depthwise causal conv + SiLU before it (csrc/causal_conv_cpu.cpp): in the mixer's (b, T, c)
   layout, in the activations' dtype with float32 arithmetic, optionally reading the sequence backwards (the reverse
   direction's input, without its flipped copy); the backward recomputes the pre-activation.
