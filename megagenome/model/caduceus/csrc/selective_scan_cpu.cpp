@@ -220,7 +220,7 @@ void backward_blocks(const Shapes& s, int64_t groups, const float* pu, const flo
                             }
                         }
                     }
-                    for (int64_t i = len - 1; i >= 0; --i) {  // the reverse recurrewidthe over the chunk
+                    for (int64_t i = len - 1; i >= 0; --i) {  // the reverse recurrence over the chunk
                         const int64_t t = t0 + i, row = (bi * T + t) * c + c0;
                         const float *ut = pu + row, *dt = pdelta + row, *dyt = pdy + row;
                         const float *bt = pB + (bi * T + t) * N, *ct = pC + (bi * T + t) * N;
