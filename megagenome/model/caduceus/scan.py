@@ -16,7 +16,7 @@ Three implementations of the same function, chosen by where the tensors are (sel
                 when the package imports
     fused_cpu   on CPU: the fused kernel of scan_cpu.py (C++, built at first use): 16 channels at a time walk the
                 sequence, each of the N states a vector of them; the backward recomputes them from checkpoints every
-                32 positions, so nothing of size (b, T, channels, N) is stored; 13-16x faster than the torch path on
+                32 positions, so nothing of size (b, T, channels, N) is stored; 22x faster than the torch path on
                 2 cores, a seventeenth of its memory (benchmarks/results/selective_scan_cpu.md)
     torch       everywhere, the reference and the fallback (CUDA without mamba_ssm; CPU without a C++ compiler, said
                 on one line): the parallel (Blelloch) scan of the mambapy package over the (b, T, channels, N)
