@@ -372,3 +372,12 @@ def test_every_command_is_listed_and_parses_its_help(capsys):
         with pytest.raises(SystemExit) as e:
             cli.main([name, "--help"])
         assert e.value.code == 0
+
+
+def test_import_formats_are_the_registry():
+    """cli/import_checkpoint.py lists the formats without importing the model package (the parser stays torch-free):
+    they must be model/__init__.py's PUBLISHED."""
+    from megagenome.cli.import_checkpoint import FORMATS
+    from megagenome.model import PUBLISHED
+
+    assert set(FORMATS) == set(PUBLISHED)

@@ -1,6 +1,7 @@
 """`megagenome export` (layer L4): a trained run -> a self-contained model directory, and the way back.
 
     megagenome export RUN --output DIR [--step N] [--dtype fp32|bf16] [--quantize int8 [--eval_fasta FA]]
+    megagenome export RUN --output DIR --format gpn      (a published layout: export_published, below)
 
 RUN is a run directory (its newest complete checkpoint, or --step; any layout: ZeRO 0-3, tensor, pipeline or
 sequence parallel, universal, consolidated by train/consolidate.py) or another export directory. DIR holds:
@@ -22,8 +23,11 @@ sequence parallel, universal, consolidated by train/consolidate.py) or another e
     model_int8.pt           with --quantize int8: the int8 model (quantize.py says how it is stored and loaded)
     README.md               a model card: source, step, parameters, held-out bits/base, int8 figures
 
-The directory is written under a temporary name beside DIR and renamed when complete; an existing DIR is refused
-(nothing is overwritten). Exporting needs safetensors only (plus torchao for int8), never transformers.
+The directory is written under a temporary name beside DIR and renamed when complete (staged_directory,
+staged_export; `megagenome import` writes its export directories the same way, importing.py); an existing DIR is
+refused (nothing is overwritten). With --format NAME (model/published.py) DIR holds instead what the authors' code
+loads: their config.json and model.safetensors under their names. Exporting needs safetensors only (plus torchao
+for int8), never transformers.
 
 The way back is after_training/weights.py: read_export (what inference.load_model reads an export directory with) and
 init_from, which `--model.init_from DIR` calls (run/assembly.py) to start a run from an export's weights, this rank's
@@ -31,6 +35,7 @@ tensor-parallel shard of them, before DeepSpeed wraps the model."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,7 +44,7 @@ import sys
 
 import torch
 
-from megagenome.after_training import hf_files, quantize, task_weights
+from megagenome.after_training import hf_files, model_card, quantize, task_weights
 from megagenome.after_training.weights import (
     DTYPES,
     EXPORT_MANIFEST,
@@ -64,6 +69,8 @@ class ExportError(ValueError):
 
 def main(ns) -> int:
     """`megagenome export` on its parsed namespace: 0, or 2 with the reason on stderr."""
+    if getattr(ns, "format", "megagenome") != "megagenome":
+        return _main_published(ns)
     try:
         manifest = export(ns.run, ns.output, ns.step, ns.dtype, ns.quantize, ns.eval_fasta, ns.eval_windows)
     except (ValueError, OSError) as e:  # ExportError, CheckpointError, FastaError, a missing torchao ...
@@ -75,8 +82,8 @@ def main(ns) -> int:
     source = manifest["source"]
     print(f"megagenome: exported {source['checkpoint']} (step {source['step']}) to {ns.output}")
     if manifest["huggingface"]:
-        trust = _trust(manifest)
-        loads = f"{_auto_class(manifest)}.from_pretrained({ns.output!r}{trust})"
+        trust = model_card.trust(manifest)
+        loads = f"{model_card.auto_class(manifest)}.from_pretrained({ns.output!r}{trust})"
         print(f"  {loads} / AutoTokenizer.from_pretrained(...{trust})")
     if "int8" in manifest:
         q = manifest["int8"]
@@ -84,6 +91,21 @@ def main(ns) -> int:
             f"  int8: {q['file']} is {q['size_ratio']:.3f}x the fp32 weights; held-out bits/base "
             f"{q['bits_per_base_fp32']:.4f} fp32 -> {q['bits_per_base_int8']:.4f} int8 ({q['bits_change']:+.4f})"
         )
+    return 0
+
+
+def _main_published(ns) -> int:
+    """`megagenome export --format NAME`: the authors' layout (export_published)."""
+    if ns.quantize != "none" or ns.eval_fasta is not None or ns.eval_windows is not None:
+        print(f"{PROG}: error: --format {ns.format} writes the authors' layout: --quantize int8 does not apply",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        export_published(ns.run, ns.format, ns.output, ns.step, ns.dtype)
+    except (ValueError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"megagenome: wrote {ns.run} in the {ns.format} layout to {ns.output} (config.json, {WEIGHTS})")
     return 0
 
 
@@ -109,30 +131,80 @@ def export(
     else:
         model_cfg, state, read_from, run_cfg = read_weights(source, step)
     model_cfg = dataclasses.replace(model_cfg, init_from=None, compile=False)  # run options, not part of the model
+    provenance = _task_provenance(source, task) if task is not None else _provenance(source, read_from, run_cfg)
+    with staged_export(output, model_cfg, state, dtype, provenance) as staged:
+        if task is not None:
+            task_weights.write_head(staged.path, task, DTYPES[dtype])
+            staged.manifest["task"] = task_weights.head_manifest(task, source)
+        if quantize_to == "int8":
+            staged.manifest["int8"] = _int8(staged.path, model_cfg, state, run_cfg, eval_fasta, eval_windows)
+    return staged.manifest
+
+
+@dataclasses.dataclass
+class Staged:
+    """An export directory being written: its temporary path and the manifest to be written last."""
+
+    path: str
+    manifest: dict
+
+
+@contextlib.contextmanager
+def staged_directory(output: str):
+    """The path of a temporary directory beside `output`, renamed to `output` when the block ends without error: an
+    existing `output` is refused (before and after); a failure or interruption leaves nothing behind."""
+    if os.path.lexists(output):
+        raise ExportError(f"--output {output} already exists: nothing was written (choose a new directory)")
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        provenance = _task_provenance(source, task) if task is not None else _provenance(source, read_from, run_cfg)
-        manifest = _manifest(model_cfg, provenance, dtype)
-        write_model(tmp, model_cfg, state, DTYPES[dtype])
-        if task is not None:
-            task_weights.write_head(tmp, task, DTYPES[dtype])
-            manifest["task"] = task_weights.head_manifest(task, source)
-        if quantize_to == "int8":
-            manifest["int8"] = _int8(tmp, model_cfg, state, run_cfg, eval_fasta, eval_windows)
-        _write_json(os.path.join(tmp, EXPORT_MANIFEST), manifest)
-        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as fh:
-            fh.write(model_card(manifest))
+        yield tmp
         if os.path.lexists(output):
             raise ExportError(f"--output {output} appeared while exporting: nothing was overwritten")
         _readable(tmp)
         os.rename(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
+
+
+@contextlib.contextmanager
+def staged_export(output: str, model_cfg: ModelConfig, state: dict, dtype: str, provenance: dict):
+    """Write the weights (write_model) of an export directory under a temporary name beside `output`, let the caller
+    add files and manifest entries (the yielded Staged), then write megagenome.json and the model card and rename it
+    to `output` (staged_directory)."""
+    with staged_directory(output) as tmp:
+        staged = Staged(tmp, _manifest(model_cfg, provenance, dtype))
+        write_model(tmp, model_cfg, state, DTYPES[dtype])
+        yield staged
+        _write_json(os.path.join(tmp, EXPORT_MANIFEST), staged.manifest)
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as fh:
+            fh.write(model_card.model_card(staged.manifest))
+
+
+def export_published(source: str, fmt: str, output: str, step: int | None = None, dtype: str = "fp32") -> dict:
+    """Write `source`'s model (a run or export directory) in the published layout `fmt` (model/published.py): the
+    authors' config.json and model.safetensors under their names, what their code loads; their config."""
+    from safetensors.torch import save_file
+
+    from megagenome.model import PUBLISHED
+
+    if fmt not in PUBLISHED:
+        raise ExportError(f"--format {fmt}: not one of megagenome, {', '.join(PUBLISHED)}")
+    if os.path.lexists(output):
+        raise ExportError(f"--output {output} already exists: nothing was written (choose a new directory)")
+    model_cfg, state, _, _ = read_weights(source, step)
+    try:
+        config, weights = PUBLISHED[fmt].to_theirs(state, model_cfg)
+    except ValueError as e:  # ImportRefused: the model is not one the layout can hold
+        raise ExportError(f"{source}: cannot be written in the {fmt} layout: {e}") from e
+    with staged_directory(output) as tmp:
+        save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}, os.path.join(tmp, WEIGHTS),
+                  metadata={"format": "pt"})  # fmt: skip
+        _write_json(os.path.join(tmp, "config.json"), config)
+    return config
 
 
 def _readable(directory: str) -> None:
@@ -238,145 +310,3 @@ def _write_json(path: str, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)
         fh.write("\n")
-
-
-# ----- the model card ---------------------------------------------------------------------------------------------
-
-
-def model_card(manifest: dict) -> str:
-    """README.md of an export directory: what it is, where it came from, how to load it, the int8 figures."""
-    m, src = manifest["model"], manifest["source"]
-    kind = "causal (next-base, clm)" if m.get("objective", "clm") == "clm" else "masked (mlm)"
-    heldout = src.get("heldout_bits_per_base")
-    rows = [
-        ("source run", f"`{src.get('run_dir', '?')}`"),
-        ("checkpoint", f"`{os.path.basename(src.get('checkpoint', '?'))}` (step {src.get('step', '?')})"),
-        ("parameters", f"{manifest['parameters']:,}"),
-        ("shape", _shape(m)),
-        ("rotary scaling", _scaling(m)),
-        ("weights", f"`{WEIGHTS}` ({manifest['dtype']})"),
-        ("held-out bits/base", f"{heldout:.4f} (step {src['heldout_step']})" if heldout is not None else "not logged"),
-    ]
-    lines = [
-        "# megagenome DNA language model",
-        "",
-        f"A {kind} single-nucleotide DNA language model (tokens {' '.join(manifest['vocab'])}), exported by "
-        "`megagenome export`.",
-        "",
-        "| | |",
-        "|---|---|",
-        *(f"| {k} | {v} |" for k, v in rows),
-        "",
-        "## Use",
-        "",
-        "```python",
-    ]
-    if manifest["huggingface"] and _auto_class(manifest) != hf_files.CAUSAL_LM:
-        lines += _masked_use(manifest)
-    elif manifest["huggingface"]:
-        lines += [
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            f'tok = AutoTokenizer.from_pretrained("DIR"{_trust(manifest)})',
-            f'model = AutoModelForCausalLM.from_pretrained("DIR"{_trust(manifest)})  # DIR: this directory',
-            'ids = tok("ACGTACGT", return_tensors="pt").input_ids',
-            "out = model.generate(ids, max_new_tokens=32, do_sample=True)  # bases only",
-        ]
-    lines += [
-        "from megagenome.after_training.inference import load_model",
-        'loaded = load_model("DIR")  # loaded.model: the megagenome model',
-    ]
-    lines += ["```", "", "Continue pretraining from it with `megagenome pretrain ... --model.init_from DIR`.", ""]
-    if "task" in manifest:
-        lines += _task_card(manifest["task"])
-    if "int8" in manifest:
-        lines += _int8_card(manifest["int8"])
-    return "\n".join(lines)
-
-
-def _task_card(t: dict) -> list[str]:
-    """The model card's section on a fine-tuning run's head."""
-    classes = ", ".join(t["classes"]) or "a value (regression)"
-    reads = "the final norm" if t["layer"] == -1 else f"block {t['layer']}"
-    merged = ", LoRA merged into the weights" if t["lora_merged"] else ""
-    lines = [
-        "## Task head",
-        "",
-        f"Fine-tuned by `megagenome finetune` for {t['task']} ({classes}): `{t['head']}` is a linear head on "
-        f"{reads}'s states ({t['pooling']} pooling for sequence tasks){merged}; "
-        f"the weights above are the fine-tuned backbone (step {t['step']}).",
-        "",
-    ]
-    for split, metrics in (t.get("results") or {}).items():
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
-        lines += [f"- {split}: {shown}"]
-    lines += [
-        "",
-        "```python",
-        "from megagenome.after_training.weights import load_task_model",
-        'model = load_task_model("DIR")  # model(input_ids, lengths, labels) -> (loss, probabilities / values)',
-        "```",
-        "",
-    ]
-    return lines
-
-
-def _masked_use(manifest: dict) -> list[str]:
-    """The model card's Hugging Face lines for a masked LM's form (its auto_class): the logits of a masked base."""
-    auto, trust = _auto_class(manifest), _trust(manifest)
-    return [
-        f"from transformers import {auto}, AutoTokenizer",
-        f'tok = AutoTokenizer.from_pretrained("DIR"{trust})',
-        f'model = {auto}.from_pretrained("DIR"{trust})  # DIR: this directory',
-        'ids = tok("ACGT<mask>ACGT", return_tensors="pt").input_ids',
-        "probs = model(ids).logits[0, 4].softmax(-1)  # the masked base's distribution over the tokens",
-    ]
-
-
-def _form(manifest: dict):
-    """The Hugging Face form of the manifest's model config (its family's), or None."""
-    cfg = ModelConfig(**manifest["model"])
-    return family_of(cfg).huggingface(cfg)
-
-
-def _auto_class(manifest: dict) -> str:
-    """The transformers Auto class an export in a Hugging Face form loads with (hf_files.auto_class)."""
-    return hf_files.auto_class(_form(manifest))
-
-
-def _trust(manifest: dict) -> str:
-    """The from_pretrained argument an export in a Hugging Face form needs: trust_remote_code=True where the form's
-    architecture is code the export carries (hf_files.remote_code), for the tokenizer too (AutoTokenizer reads
-    config.json, whose auto_map names that code, and would otherwise ask at the terminal)."""
-    return ", trust_remote_code=True" if hf_files.remote_code(_form(manifest)) else ""
-
-
-def _shape(m: dict) -> str:
-    """The card's shape line: the family's description of the exported config."""
-    cfg = ModelConfig(**m)
-    return family_of(cfg).describe(cfg)
-
-
-def _scaling(m: dict) -> str:
-    """The card's rotary scaling: none, or the scheme, its factor and the context trained at (megagenome.json of an
-    export written before the rope keys existed has none of them)."""
-    scaling = m.get("rope_scaling", "none")
-    if scaling == "none":
-        return "none"
-    original = m.get("rope_original_max_len") or m["max_seq_len"] / m["rope_factor"]
-    return f"{scaling} x{m['rope_factor']:g} (trained at context {original:g})"
-
-
-def _int8_card(q: dict) -> list[str]:
-    return [
-        "## INT8",
-        "",
-        f"`{q['file']}`: {q['scheme']}. Load it with `megagenome.after_training.weights.load_int8(DIR)`.",
-        "",
-        "| | float32 | int8 |",
-        "|---|---|---|",
-        f"| size (bytes) | {q['fp32_bytes']:,} | {q['bytes']:,} ({q['size_ratio']:.3f}x) |",
-        f"| bits/base | {q['bits_per_base_fp32']:.4f} | {q['bits_per_base_int8']:.4f} ({q['bits_change']:+.4f}) |",
-        "",
-        f"bits/base measured on {q['eval_data']}: {q['eval_windows']} windows, {q['eval_bases']:g} scored bases.",
-        "",
-    ]

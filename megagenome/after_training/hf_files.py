@@ -19,22 +19,40 @@ import os
 import torch
 
 from megagenome.config import ModelConfig
-from megagenome.data.tokenizer import AMBIGUOUS, PAD_ID, VOCAB, VOCAB_SIZE
+from megagenome.data.tokenizer import AMBIGUOUS, VOCAB, VOCAB_SIZE
+from megagenome.model.vocabulary import vocabulary_of
 
 SPECIAL = VOCAB[: VOCAB.index("A")]  # <pad> <mask> <sep>: never generated
 CAUSAL_LM = "AutoModelForCausalLM"  # the Auto class of a form that names none
 
 
-def generation_config() -> dict:
+def token_rows(cfg: ModelConfig) -> dict[str, int]:
+    """{megagenome token: the row the Hugging Face model reads it at}: its id, or its row of the published token table
+    of --model.vocabulary (model/vocabulary.py; a token sharing an earlier token's row is left out, so that the
+    tokenizer decodes each row one way)."""
+    vocabulary = vocabulary_of(cfg)
+    if vocabulary.own:
+        return {t: i for i, t in enumerate(VOCAB)}
+    rows: dict[str, int] = {}
+    for token, row in zip(VOCAB, vocabulary.ids, strict=True):
+        if row not in rows.values():
+            rows[token] = row
+    return rows
+
+
+def generation_config(cfg: ModelConfig) -> dict:
     """generation_config.json: no end-of-sequence token (a genome has none; give max_new_tokens), and the special
     tokens suppressed so that `generate` writes bases only."""
-    return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": PAD_ID, "suppress_tokens": list(range(3))}
+    rows = token_rows(cfg)
+    special = [rows[t] for t in SPECIAL if t in rows]
+    return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": rows["<pad>"], "suppress_tokens": special}
 
 
-def tokenizer_json() -> dict:
+def tokenizer_json(cfg: ModelConfig) -> dict:
     """A `tokenizers` JSON tokenizer equal to megagenome's (data/tokenizer.py): one token per base, lowercase
     (soft-masked) bases to the uppercase ids, IUPAC ambiguity codes to N, whitespace dropped; the special tokens
-    matched whole; decoding joins the tokens without spaces."""
+    matched whole; decoding joins the tokens without spaces. The ids are the token table's rows (token_rows)."""
+    rows = token_rows(cfg)
     lower = [(chr(b).lower(), chr(b)) for b in b"ACGT"]
     ambiguous = "[" + AMBIGUOUS.decode() + AMBIGUOUS.decode().lower() + "]"
     normalizers = [{"type": "Replace", "pattern": {"String": a}, "content": b} for a, b in lower]
@@ -43,7 +61,7 @@ def tokenizer_json() -> dict:
         {"type": "Replace", "pattern": {"Regex": r"\s"}, "content": ""},
     ]
     flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-    added = [{"id": VOCAB.index(t), "content": t, **flags} for t in SPECIAL]
+    added = [{"id": rows[t], "content": t, **flags} for t in SPECIAL if t in rows]
     return {
         "version": "1.0",
         "truncation": None,
@@ -53,7 +71,7 @@ def tokenizer_json() -> dict:
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
         "post_processor": None,
         "decoder": {"type": "Fuse"},
-        "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(VOCAB)}, "unk_token": "N"},
+        "model": {"type": "WordLevel", "vocab": rows, "unk_token": "N"},
     }
 
 
@@ -89,11 +107,11 @@ def write_hf_files(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, form) -> 
     for name, text in code.items():
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as fh:
             fh.write(text)
-    files = {"config.json": form.config(dtype, VOCAB_SIZE, PAD_ID)}
+    files = {"config.json": form.config(dtype, VOCAB_SIZE, token_rows(cfg)["<pad>"])}
     if auto_class(form) == CAUSAL_LM:
-        files["generation_config.json"] = generation_config()
+        files["generation_config.json"] = generation_config(cfg)
     files |= {
-        "tokenizer.json": tokenizer_json(),
+        "tokenizer.json": tokenizer_json(cfg),
         "tokenizer_config.json": tokenizer_config(cfg),
         "special_tokens_map.json": {"pad_token": "<pad>", "mask_token": "<mask>", "sep_token": "<sep>"},
     }

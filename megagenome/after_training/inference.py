@@ -203,8 +203,7 @@ def pad_batch(windows: Iterable[torch.Tensor], device: torch.device) -> tuple[to
 def next_base_log_probs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Causal model: (B, T) float32 log p(x_t | x_<t) of each token of `tokens` (B, T); column 0 (no context) is 0.
     Right padding does not change the columns before it."""
-    logits = model.logits(tokens)  # (B, T, vocab)
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, vocab), float32 as in training
+    logp = model.log_probs(tokens)[:, :-1]  # (B, T-1, vocab), float32 as in training
     picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, T-1)
     return F.pad(picked, (1, 0))  # (B, T)
 
@@ -218,7 +217,7 @@ def masked_log_probs(model: torch.nn.Module, tokens: torch.Tensor, every: int) -
     for offset in range(every):
         hide = (positions % every) == offset  # (T,)
         masked = torch.where(hide, torch.full_like(tokens, MASK_ID), tokens)  # (B, T)
-        logp = F.log_softmax(model.logits(masked).float(), dim=-1)  # (B, T, vocab)
+        logp = model.log_probs(masked)  # (B, T, vocab), float32
         picked = logp.gather(-1, tokens[..., None]).squeeze(-1)  # (B, T)
         out = torch.where(hide, picked, out)
     return out

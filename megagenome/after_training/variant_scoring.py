@@ -43,7 +43,6 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from megagenome.after_training import supervised_vep
 from megagenome.after_training.auroc import auroc, bootstrap_interval
@@ -182,7 +181,7 @@ def run_batch(loaded: Loaded, queries: list[Query]) -> list:
     masked = tokens.clone()
     for row, q in enumerate(queries):
         masked[row, list(q.positions)] = MASK_ID
-    logp = F.log_softmax(loaded.model.logits(masked).float(), dim=-1)  # (B, T, vocab)
+    logp = loaded.model.log_probs(masked)  # (B, T, vocab), float32
     return [logp[row, list(q.positions)].double().cpu().numpy() for row, q in enumerate(queries)]
 
 

@@ -2,7 +2,7 @@
 
 Each command module has HELP (its line in `megagenome --help`), parser() (its flags, documented) and main(parsed)
 (the call into the layer that does the work). This module finds the command, builds the parser of that command
-only (building all fourteen costs every start more than half a second), reports every problem of the flags and YAML
+only (building all fifteen costs every start more than half a second), reports every problem of the flags and YAML
 files at once (config/load.py) and dispatches. The run-config flags and YAML loading are the config layer's:
 precedence command line > YAML given with --config > dataclass defaults; unknown keys, in YAML or on the command
 line, are errors; a mistyped command or flag gets a "did you mean".
@@ -36,6 +36,7 @@ COMMANDS = {
     "embed": "embed",
     "finetune": "finetune",
     "export": "export",
+    "import": "import_checkpoint",
     "report": "report",
 }
 PROG = "megagenome"

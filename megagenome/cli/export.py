@@ -26,6 +26,13 @@ def parser() -> ArgumentParser:
     parser.add_argument("--output", type=str, required=True, help="Directory to create (must not exist).")
     parser.add_argument("--dtype", type=Literal["fp32", "bf16"], default="fp32", help="Dtype of model.safetensors.")
     parser.add_argument(
+        "--format",
+        type=str,
+        default="megagenome",
+        help="megagenome (a megagenome export directory, above), or a published layout that its authors' code "
+        "loads (the formats of `megagenome import`: gpn): their config.json and model.safetensors.",
+    )
+    parser.add_argument(
         "--quantize",
         type=Literal["none", "int8"],
         default="none",

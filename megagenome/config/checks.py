@@ -197,6 +197,11 @@ def _data_problems(d: DataConfig, m: ModelConfig) -> list[str]:
     problems += _within_unit([("data.rc_prob", d.rc_prob), ("data.mlm_probability", d.mlm_probability)])
     if m.objective == "mlm" and not 0.0 < d.mlm_probability <= 1.0:
         problems.append(f"--data.mlm_probability={d.mlm_probability}: the mlm objective needs a positive masking rate")
+    if m.objective == "mlm" and m.vocabulary == "bytes":
+        problems.append(
+            "--model.vocabulary bytes with --model.objective mlm: Evo's byte table has no mask token (its models are "
+            "causal); use --model.objective clm"
+        )
     for flag, value in [
         ("data.softmask_weight", d.softmask_weight),
         ("data.eval_softmask_weight", d.eval_softmask_weight),

@@ -104,6 +104,11 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation."""
     objective: Literal["clm", "mlm"] = "clm"
     """clm: causal next-base prediction; mlm: bidirectional masked-base prediction (BERT-style)."""
+    vocabulary: Literal["megagenome", "bytes", "characters", "gpn"] = "megagenome"
+    """The rows of the token embedding and head (model/vocabulary.py): megagenome (its own 8 tokens), or a published
+    model's table, kept whole by `megagenome import`: bytes (Evo 1 and Evo 2: 512 rows, a base's row its ASCII
+    code), characters (HyenaDNA and Caduceus: 12), gpn (GPN: 7). The data stays megagenome's tokens; the model maps
+    them onto the table's rows, and its loss is over the whole table."""
     attention: Literal["auto", "sdpa", "math", "cudnn", "flash", "fa3"] = "auto"
     """Attention kernel: sdpa (torch chooses), math (SDPA's math backend), cudnn (SDPA's cuDNN backend), flash
     (flash-attn 2), fa3 (FlashAttention-3, Hopper). auto: on CUDA in bf16/fp16, fa3 when installed on a 9.x GPU, else

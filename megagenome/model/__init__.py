@@ -4,17 +4,22 @@ A model family (model/family.py) is what the rest of megagenome builds and asks 
 by --model.family name: the transformer (model/transformer/), hyena and striped_hyena (model/hyena/), and the masked
 LMs caduceus (model/caduceus/: BiMamba, reverse-complement equivariant) and gpn (model/gpn/: dilated CNN). Shared by
 every family: the layer factory, RMSNorm and initialisation (layers.py), the block stack with its loss (stack.py),
-the attention kernels (attention.py) and the distillation loss (distill.py).
+the attention kernels (attention.py), the distillation loss (distill.py), the token tables (vocabulary.py) and the
+published checkpoints' layouts (published.py; PUBLISHED holds them by `megagenome import --format` name).
 """
 
 from megagenome.model.attention import attention_backend, attention_summary
 from megagenome.model.caduceus import CADUCEUS
 from megagenome.model.family import ModelFamily
 from megagenome.model.gpn import GPN
+from megagenome.model.gpn.published import GPN_FORMAT
 from megagenome.model.hyena import HYENA, STRIPED_HYENA
+from megagenome.model.published import PublishedFormat
 from megagenome.model.transformer import TRANSFORMER
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (TRANSFORMER, HYENA, STRIPED_HYENA, CADUCEUS, GPN)}
+# The published checkpoints' layouts by `megagenome import --format` name (model/published.py).
+PUBLISHED: dict[str, PublishedFormat] = {f.name: f for f in (GPN_FORMAT,)}
 
 
 def family_of(cfg) -> ModelFamily:
@@ -25,4 +30,12 @@ def family_of(cfg) -> ModelFamily:
     return FAMILIES[name]
 
 
-__all__ = ["FAMILIES", "ModelFamily", "attention_backend", "attention_summary", "family_of"]
+__all__ = [
+    "FAMILIES",
+    "PUBLISHED",
+    "ModelFamily",
+    "PublishedFormat",
+    "attention_backend",
+    "attention_summary",
+    "family_of",
+]

@@ -105,7 +105,11 @@ class LanguageModel(Protocol):
         """(loss, nll_sum in nats, weight_sum): exact sums, so bits per base add up over micro batches and ranks."""
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, T, vocab_size) next-base (clm) or masked-base (mlm) logits."""
+        """(B, T, vocab_size) next-base (clm) or masked-base (mlm) logits of megagenome's tokens."""
+
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, vocab_size) float32 log-probabilities of megagenome's tokens, normalised over the model's whole token
+        table (--model.vocabulary, model/vocabulary.py)."""
 
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T, d) the head's input."""

@@ -1,5 +1,5 @@
 """What the Hugging Face forms of the families with their own remote code share (layer L1): megagenome's weight names
-under `model.` with the embedding and head cut to the vocabulary's rows, and the code files an export carries.
+under `model.` with the embedding and head cut to the token table's rows, and the code files an export carries.
 
 A family's form (model/hyena/hf.py HyenaForm, model/caduceus/hf.py CaduceusForm, model/gpn/hf.py GPNForm) subclasses
 RemoteCodeForm, names its remote code (`remote_code`, the hf_remote/ directory beside it, and the `configuration`
@@ -15,6 +15,7 @@ import torch
 
 from megagenome.config import ModelConfig
 from megagenome.model.stack import padded_vocab_size
+from megagenome.model.vocabulary import table_rows
 
 PREFIX = "model."  # the Hugging Face model's base model (embed, blocks, norm); lm_head beside it
 
@@ -44,6 +45,7 @@ class RemoteCodeForm:
 
     def to_hf(self, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
         """The Hugging Face model's state dict (contiguous, no shared tensors) of a dense megagenome state dict."""
+        vocab_size = table_rows(self.cfg, vocab_size)
         out = {}
         for name, weight in state.items():
             if name == "lm_head.weight":
@@ -58,7 +60,7 @@ class RemoteCodeForm:
         lm_head.weight the embedding when tied (the caller checks every name and shape against the config)."""
         if PREFIX + "embed.weight" not in weights:
             raise KeyError(f"the weights lack {PREFIX}embed.weight")
-        rows = padded_vocab_size(vocab_size)
+        rows = padded_vocab_size(table_rows(self.cfg, vocab_size))
         state = {k.removeprefix(PREFIX): v for k, v in weights.items() if k.startswith(PREFIX)}
         state["embed.weight"] = pad_rows(state["embed.weight"], rows)
         if self.cfg.tie_embeddings:

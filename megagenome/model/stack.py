@@ -26,6 +26,7 @@ from megagenome.config import ModelConfig
 from megagenome.model.distill import Teacher, distill_sums
 from megagenome.model.family import PipelineLayers
 from megagenome.model.layers import RMSNorm
+from megagenome.model.vocabulary import table_rows, vocabulary_of
 
 # Embedding rows are padded to a multiple of this so the LM-head matmul has tensor-core friendly shapes.
 VOCAB_MULTIPLE = 8
@@ -75,13 +76,29 @@ class BlockStack(nn.Module):
         self.finish_init(layers)
 
     def begin(self, cfg: ModelConfig, vocab_size: int) -> None:
-        """Check the vocabulary and keep the config, the vocabulary size and its padded rows: how build() starts, and
-        what a family that makes its own embedding or head (caduceus, gpn) calls before making them."""
+        """Check the vocabulary and keep the config, the vocabulary size (megagenome's tokens, what logits() returns),
+        the token table's rows (--model.vocabulary, model/vocabulary.py) and their padded count: how build() starts,
+        and what a family that makes its own embedding or head (caduceus, gpn) calls before making them."""
         if vocab_size <= 0:
             raise ValueError(f"vocab_size={vocab_size}: must be positive")
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.padded_vocab_size = padded_vocab_size(vocab_size)
+        vocabulary = vocabulary_of(cfg)
+        self.table_rows = table_rows(cfg, vocab_size)
+        self.padded_vocab_size = padded_vocab_size(self.table_rows)
+        if not vocabulary.own and len(vocabulary.ids) != vocab_size:
+            raise ValueError(
+                f"--model.vocabulary={vocabulary.name}: maps {len(vocabulary.ids)} tokens, not {vocab_size}"
+            )
+        # The table's row of each megagenome token id (None: the identity, megagenome's own table).
+        rows = None if vocabulary.own else torch.tensor(vocabulary.ids, dtype=torch.long)
+        self.register_buffer("token_rows", rows, persistent=False)
+
+    def table_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """megagenome token ids (any shape) as the token table's rows; -100 (an ignored label) stays -100."""
+        if self.token_rows is None:
+            return ids
+        return torch.where(ids >= 0, self.token_rows[ids.clamp(min=0)], ids)
 
     def finish_init(self, layers) -> None:
         """Install the default checkpoint function, no sequence parallelism, no teacher, and the factory's loss."""
@@ -91,7 +108,7 @@ class BlockStack(nn.Module):
         # Per-token loss fn(head_output, labels) -> (B*T,) float32 cross entropy: a tensor-parallel factory's
         # vocabulary-parallel one takes the LM head's output shard (B, T, padded_vocab / tp) as it is. None: cross
         # entropy of the full logits.
-        self.token_loss: Callable | None = layers.token_loss(self.embed, self.vocab_size)
+        self.token_loss: Callable | None = layers.token_loss(self.embed, self.table_rows)
 
     def set_checkpoint_function(self, fn: Callable | None) -> None:
         """Install the activation-checkpoint function fn(function, *args) used by --model.checkpointing.
@@ -125,10 +142,22 @@ class BlockStack(nn.Module):
             x = self._checkpoint(segment, x)  # (B, T, d_model); only the segment input is kept
         return x
 
+    def table_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits over every row of the token table, (B, T, table_rows), in the model's dtype: what the loss reads."""
+        # Padded rows are never valid targets; slicing them off keeps them out of the softmax.
+        return self.lm_head(self.hidden(input_ids))[..., : self.table_rows]  # (B, T, table_rows)
+
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token (clm) or masked-token (mlm) logits, (B, T, vocab_size), in the model's dtype."""
-        # Padded vocabulary columns are never valid targets; slicing them off keeps them out of the softmax.
-        return self.lm_head(self.hidden(input_ids))[..., : self.vocab_size]  # (B, T, vocab_size)
+        """Next-token (clm) or masked-token (mlm) logits of megagenome's tokens, (B, T, vocab_size), in the model's
+        dtype: the token table's rows of them (model/vocabulary.py)."""
+        logits = self.table_logits(input_ids)  # (B, T, table_rows)
+        return logits if self.token_rows is None else logits[..., self.token_rows]  # (B, T, vocab_size)
+
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 log-probabilities of megagenome's tokens, (B, T, vocab_size), normalised over the whole token table
+        (a published table's other rows keep their share, as in its authors' softmax)."""
+        logp = F.log_softmax(self.table_logits(input_ids).float(), dim=-1)  # (B, T, table_rows)
+        return logp if self.token_rows is None else logp[..., self.token_rows]  # (B, T, vocab_size)
 
     def _check_length(self, input_ids: torch.Tensor) -> None:
         T = input_ids.size(1) * self.sequence_parallel_size  # input_ids: (B, T / sequence-parallel size)
@@ -141,7 +170,7 @@ class BlockStack(nn.Module):
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The LM head's input: the final-norm hidden states, (B, T, d_model)."""
         self._check_length(input_ids)
-        x = self.embed(input_ids)  # (B, T, d_model)
+        x = self.embed(self.table_ids(input_ids))  # (B, T, d_model)
         x = self._run_blocks(x)  # (B, T, d_model)
         return self.norm(x)  # (B, T, d_model)
 
@@ -157,7 +186,7 @@ class BlockStack(nn.Module):
             raise ValueError(problem)
         self._check_length(input_ids)
         wanted = set(layers)
-        x = self.embed(input_ids)  # (B, T, d_model)
+        x = self.embed(self.table_ids(input_ids))  # (B, T, d_model)
         states = {0: x} if 0 in wanted else {}  # only the layers asked for stay alive, as in hidden()
         deepest = n if FINAL_NORM in wanted else max(wanted)
         for i, block in enumerate(self.blocks[:deepest], start=1):
@@ -185,12 +214,13 @@ class BlockStack(nn.Module):
         this chunk's share, and the shares of all chunks add up to the loss of the whole sequences.
         """
         logits = None
+        targets = self.table_ids(labels)  # the token table's rows (the labels themselves for megagenome's)
         if self.token_loss is not None:
-            ce = self.token_loss(self.lm_head(self.hidden(input_ids)), labels)  # (B*T,)
+            ce = self.token_loss(self.lm_head(self.hidden(input_ids)), targets)  # (B*T,)
         else:
-            logits = self.logits(input_ids).flatten(0, 1)  # (B*T, vocab_size)
+            logits = self.table_logits(input_ids).flatten(0, 1)  # (B*T, table_rows)
             # Float32 log-softmax: under bf16 the logits' rounding would bias the loss.
-            ce = F.cross_entropy(logits.float(), labels.flatten(), reduction="none")  # (B*T,)
+            ce = F.cross_entropy(logits.float(), targets.flatten(), reduction="none")  # (B*T,)
         weight = loss_weight.float().flatten()  # (B*T,)
         nll_sum = (ce * weight).sum()
         weight_sum = weight.sum()
@@ -200,7 +230,8 @@ class BlockStack(nn.Module):
             # The blend is what is optimised; nll_sum stays the plain cross entropy, so logged losses and bits per
             # base mean what they mean without a teacher.
             teacher_logits = self.teacher.logits(input_ids).flatten(0, 1)  # (B*T, vocab_size)
-            numerator = distill_sums(logits, teacher_logits, ce, weight, self.teacher)
+            student = logits if self.token_rows is None else logits[:, self.token_rows]  # (B*T, vocab_size)
+            numerator = distill_sums(student, teacher_logits, ce, weight, self.teacher)
         loss = numerator / denominator
         return loss, nll_sum, weight_sum
 

@@ -122,6 +122,11 @@ def build(model: nn.Module, par: ParallelConfig, state, checkpoint_fn: Callable 
 
     if state.sp != 1:
         raise ValueError("pipeline parallelism runs with --parallel.sequence 1")
+    if getattr(model, "token_rows", None) is not None:
+        raise ValueError(
+            f"pipeline parallelism with --model.vocabulary {model.cfg.vocabulary} (a published token table) is not "
+            "implemented: its stages would have to map megagenome's token ids onto the table's rows"
+        )
     # DeepSpeed's topologies number ranks pipe-major, then data, then model (tensor) fastest:
     # rank = (stage * dp + dp_rank) * tp + tp_rank, which is ParallelState's layout with sp = 1, so both agree on
     # every rank's data-parallel index and tensor rank. Without tensor parallelism the pipe x data topology keeps

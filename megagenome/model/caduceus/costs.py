@@ -54,6 +54,7 @@ from megagenome.model.caduceus.mamba import dt_rank
 from megagenome.model.param_table import ParamTable
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer import costs as transformer_costs
+from megagenome.model.vocabulary import table_rows
 
 POLICIES = transformer_costs.POLICIES
 SCAN_FLOPS_PER_STATE = 6
@@ -98,7 +99,7 @@ class CaduceusShape(ParamTable):
             conv_len=cfg.ssm_conv_len,
             dt_rank=dt_rank(cfg),
             vocab_size=vocab_size,
-            padded_vocab=padded_vocab_size(vocab_size),
+            padded_vocab=padded_vocab_size(table_rows(cfg, vocab_size)),
             tie_embeddings=cfg.tie_embeddings,
             max_seq_len=cfg.max_seq_len,
             dropout=cfg.dropout,

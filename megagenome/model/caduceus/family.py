@@ -19,6 +19,7 @@ from megagenome.model.caduceus.costs import CaduceusShape
 from megagenome.model.caduceus.model import CaduceusLM
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
 from megagenome.model.stack import padded_vocab_size
+from megagenome.model.vocabulary import table_rows
 
 # The LM head's rows for megagenome's DNA vocabulary (data/tokenizer.py, 8 tokens): run_flops is given the parameter
 # count, not the vocabulary.
@@ -69,7 +70,7 @@ class CaduceusFamily(ModelFamily):
         return {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
 
     def parallel_rules(self, cfg: ModelConfig, vocab_size: int) -> ParallelRules:
-        inner, rows = cfg.ssm_expand * cfg.d_model, padded_vocab_size(vocab_size)
+        inner, rows = cfg.ssm_expand * cfg.d_model, padded_vocab_size(table_rows(cfg, vocab_size))
         tensor = (
             Divisible(f"the inner width ssm_expand x d_model = {inner} (--model.ssm_expand, --model.d_model)", inner,
                       ": each tensor-parallel rank holds a block of the BiMamba channels"),

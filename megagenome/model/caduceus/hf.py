@@ -22,6 +22,7 @@ from megagenome.model.caduceus import rc
 from megagenome.model.caduceus.mamba import dt_rank
 from megagenome.model.hf_form import RemoteCodeForm
 from megagenome.model.transformer.hf import DTYPE_NAMES
+from megagenome.model.vocabulary import table_rows, vocabulary_of
 
 
 class CaduceusForm(RemoteCodeForm):
@@ -44,7 +45,7 @@ class CaduceusForm(RemoteCodeForm):
             "model_type": "megagenome_caduceus",
             "auto_map": self.auto_map("MegagenomeCaduceusConfig"),
             "megagenome_family": cfg.family,
-            "vocab_size": vocab_size,
+            "vocab_size": table_rows(cfg, vocab_size),
             "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.n_layer,
             "intermediate_size": cfg.ssm_expand * cfg.d_model,
@@ -52,7 +53,7 @@ class CaduceusForm(RemoteCodeForm):
             "conv_kernel": cfg.ssm_conv_len,
             "time_step_rank": dt_rank(cfg),
             "rc_equivariance": cfg.rc_equivariance,
-            "complement": rc.complement_index(vocab_size).tolist(),
+            "complement": complement(cfg, vocab_size).tolist(),
             "max_position_embeddings": cfg.max_seq_len,  # the context trained at; a Mamba model has no position table
             "rms_norm_eps": cfg.norm_eps,
             "hidden_dropout_prob": cfg.dropout,
@@ -63,3 +64,11 @@ class CaduceusForm(RemoteCodeForm):
             "pad_token_id": pad_token_id,
             "dtype": DTYPE_NAMES[dtype],
         }
+
+
+def complement(cfg, vocab_size: int) -> torch.Tensor:
+    """The complement of every row of the model's token table (rc.py): megagenome's, or a published table's."""
+    vocabulary, rows = vocabulary_of(cfg), table_rows(cfg, vocab_size)
+    if vocabulary.own:
+        return rc.complement_index(rows)
+    return rc.row_complement_index(rows, torch.tensor(vocabulary.ids))

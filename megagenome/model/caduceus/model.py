@@ -54,6 +54,9 @@ class CaduceusLM(BlockStack):
         tied = self.embed if cfg.tie_embeddings else None
         self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=tied, gather=True)
         self.register_buffer("complement", rc.complement_index(self.padded_vocab_size), persistent=False)
+        # The complement in a published token table's rows (None: megagenome's, where rows are its ids).
+        rows = None if self.token_rows is None else rc.row_complement_index(self.padded_vocab_size, self.token_rows)
+        self.register_buffer("_row_complement", rows, persistent=False)
         self.finish_init(layers)
         self.token_loss = None  # the head gathers its logits: cross entropy of the whole logits
         self._init_weights()
@@ -78,17 +81,19 @@ class CaduceusLM(BlockStack):
         """Whether logits() reads both strands: always under ps, in eval mode under post_hoc."""
         return self.parameter_sharing or not self.training
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, T, vocab_size) masked-base logits. ps: the RC-PS head over both halves of the stream (a sum);
-        post_hoc: in eval mode the average over both strands, in training mode the plain model's (module docstring)."""
+    def table_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, table_rows) masked-base logits over the token table. ps: the RC-PS head over both halves of the
+        stream (a sum); post_hoc: in eval mode the average over both strands, in training mode the plain model's
+        (module docstring)."""
         if not self._both_strands():
-            return super().logits(input_ids)
+            return super().table_logits(input_ids)
         B = input_ids.shape[0]
+        complement = self.complement if self._row_complement is None else self._row_complement
         both = self.lm_head(BlockStack.hidden(self, rc.strands(input_ids, self.complement)))  # (2B, T, padded)
-        logits = both[:B] + rc.reverse_complement_logits(both[B:], self.complement)  # (B, T, padded)
+        logits = both[:B] + rc.reverse_complement_logits(both[B:], complement)  # (B, T, padded)
         if not self.parameter_sharing:
             logits = logits / 2
-        return logits[..., : self.vocab_size]
+        return logits[..., : self.table_rows]
 
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final norm's output: ps the RC-PS stream (B, T, 2 d_model), post_hoc the plain (B, T, d_model) of the

@@ -28,6 +28,16 @@ def complement_index(rows: int) -> torch.Tensor:
     return table
 
 
+def row_complement_index(rows: int, token_rows: torch.Tensor) -> torch.Tensor:
+    """(rows,) int64: complement_index in a published token table's rows (model/vocabulary.py), token_rows the row
+    of each megagenome token: the rows of A, C, G, T swapped as theirs are, every other row itself."""
+    table = torch.arange(rows)
+    for token, partner in enumerate(DNA_COMPLEMENT):
+        if partner != token:
+            table[token_rows[token]] = token_rows[partner]
+    return table
+
+
 def reverse_complement_ids(input_ids: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
     """(B, T) ids of the reverse complement strand: the complement of input_ids read backwards."""
     return complement[input_ids.flip(1)]

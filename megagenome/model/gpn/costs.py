@@ -63,6 +63,7 @@ from megagenome.config import ModelConfig, d_ff
 from megagenome.model.param_table import ParamTable
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.costs import LOSS_BYTES_PER_VOCAB, POLICIES
+from megagenome.model.vocabulary import table_rows
 
 # Elementwise bytes per token and layer (module docstring): (d, f) coefficients, forward and backward.
 EAGER_BYTES = {"forward": (32, 4), "backward": (38, 6)}
@@ -111,7 +112,7 @@ class GPNShape(ParamTable):
             kernels=tuple(kernels(cfg)),
             dilations=tuple(dilations(cfg)),
             vocab_size=vocab_size,
-            padded_vocab=padded_vocab_size(vocab_size),
+            padded_vocab=padded_vocab_size(table_rows(cfg, vocab_size)),
             max_seq_len=cfg.max_seq_len,
             dropout=cfg.dropout,
         )

@@ -17,6 +17,7 @@ from megagenome.model.family import Divisible, ModelFamily, ParallelRules
 from megagenome.model.gpn.costs import GPNShape, dilations, kernels, receptive_field
 from megagenome.model.gpn.model import GPNLM
 from megagenome.model.stack import padded_vocab_size
+from megagenome.model.vocabulary import table_rows
 
 # The vocabulary rows of megagenome's DNA tokens (data/tokenizer.py: 8 tokens, <mask> included; padded: 8), what
 # the one-hot embedding must fit in d_model and what run_flops prices the decoder at (tests/test_gpn.py checks it).
@@ -53,7 +54,7 @@ class GPNFamily(ModelFamily):
 
     def parallel_rules(self, cfg: ModelConfig, vocab_size: int) -> ParallelRules:
         halo = sum(r * (k - 1) for k, r in zip(kernels(cfg), dilations(cfg), strict=True)) // 2
-        rows = padded_vocab_size(vocab_size)
+        rows = padded_vocab_size(table_rows(cfg, vocab_size))
         tensor = (
             Divisible(f"--model.d_model={cfg.d_model}", cfg.d_model, ": each tensor-parallel rank holds a block of "
                       "the convolutions' output channels"),

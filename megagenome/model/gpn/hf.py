@@ -22,6 +22,7 @@ from megagenome.model.gpn.costs import dilations, kernels
 from megagenome.model.hf_form import PREFIX, RemoteCodeForm, pad_rows
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.hf import DTYPE_NAMES
+from megagenome.model.vocabulary import table_rows
 
 HEAD = "lm_head."
 DECODER = "lm_head.decoder.weight"  # the one vocabulary matrix
@@ -41,6 +42,7 @@ class GPNForm(RemoteCodeForm):
 
     def to_hf(self, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
         """The Hugging Face model's state dict (contiguous) of a dense GPNLM state dict."""
+        vocab_size = table_rows(self.cfg, vocab_size)
         out = {}
         for name, weight in state.items():
             if name.startswith(HEAD):
@@ -55,7 +57,7 @@ class GPNForm(RemoteCodeForm):
         if DECODER not in weights:
             raise KeyError(f"the weights lack {DECODER}")
         state = {k.removeprefix(PREFIX): v for k, v in weights.items() if k.startswith((PREFIX, HEAD))}
-        state[DECODER] = pad_rows(state[DECODER], padded_vocab_size(vocab_size))
+        state[DECODER] = pad_rows(state[DECODER], padded_vocab_size(table_rows(self.cfg, vocab_size)))
         return state
 
     def config(self, dtype: torch.dtype, vocab_size: int, pad_token_id: int) -> dict:
@@ -67,7 +69,7 @@ class GPNForm(RemoteCodeForm):
             "model_type": "megagenome_gpn",
             "auto_map": self.auto_map("MegagenomeGPNConfig"),
             "megagenome_family": cfg.family,
-            "vocab_size": vocab_size,
+            "vocab_size": table_rows(cfg, vocab_size),
             "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.n_layer,
             "intermediate_size": d_ff(cfg),

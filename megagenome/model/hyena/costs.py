@@ -61,6 +61,7 @@ from megagenome.model.hyena.operators import DIRECT_MAX_TAPS
 from megagenome.model.param_table import ParamTable
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer import flops as transformer_flops
+from megagenome.model.vocabulary import table_rows
 
 POSITION_FEATURES = 5  # operators.py: the implicit filter's input features
 # Forward terms of operator_forward_flops that FlopCounterMode counts (matmuls and convolutions), that a selective
@@ -101,7 +102,7 @@ class HyenaShape(ParamTable):
             n_head=cfg.n_head,
             d_ff=d_ff(cfg),
             vocab_size=vocab_size,
-            padded_vocab=padded_vocab_size(vocab_size),
+            padded_vocab=padded_vocab_size(table_rows(cfg, vocab_size)),
             short_filter_len=cfg.short_filter_len,
             se_filter_len=cfg.se_filter_len,
             mr_filter_len=cfg.mr_filter_len,

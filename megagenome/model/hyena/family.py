@@ -17,6 +17,7 @@ from megagenome.model.hyena.model import HyenaLM
 from megagenome.model.hyena.operators import by_fft
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.family import TRANSFORMER
+from megagenome.model.vocabulary import table_rows
 
 # The LM head's rows for megagenome's DNA vocabulary (data/tokenizer.py, under 8 tokens, padded to 8): run_flops is
 # given the parameter count, not the vocabulary (tests/test_hyena.py checks the two agree).
@@ -69,7 +70,7 @@ class HyenaFamily(ModelFamily):
     def parallel_rules(self, cfg: ModelConfig, vocab_size: int) -> ParallelRules:
         heads = f"--model.n_head={cfg.n_head}"
         width = f"the MLP width d_ff={d_ff(cfg)} (--model.d_ff, default 8/3 x --model.d_model rounded up to 64)"
-        rows = padded_vocab_size(vocab_size)
+        rows = padded_vocab_size(table_rows(cfg, vocab_size))
         tensor = (
             Divisible(heads, cfg.n_head, ": each tensor-parallel rank holds whole heads of the Hyena projections "
                       "(and of attention) and the filters of their channels"),

@@ -21,6 +21,7 @@ from megagenome.config import d_ff, layer_kinds
 from megagenome.model.hf_form import RemoteCodeForm
 from megagenome.model.transformer.blocks import rope_original_max_len
 from megagenome.model.transformer.hf import DTYPE_NAMES
+from megagenome.model.vocabulary import table_rows
 
 
 class HyenaForm(RemoteCodeForm):
@@ -42,7 +43,7 @@ class HyenaForm(RemoteCodeForm):
             "model_type": "megagenome_hyena",
             "auto_map": self.auto_map("MegagenomeHyenaConfig"),
             "megagenome_family": cfg.family,
-            "vocab_size": vocab_size,
+            "vocab_size": table_rows(cfg, vocab_size),
             "hidden_size": cfg.d_model,
             "intermediate_size": d_ff(cfg),
             "num_hidden_layers": cfg.n_layer,

@@ -18,6 +18,7 @@ from megagenome.model.transformer import flops
 from megagenome.model.transformer.costs import TransformerShape
 from megagenome.model.transformer.hf import LlamaForm
 from megagenome.model.transformer.model import DNATransformer
+from megagenome.model.vocabulary import table_rows
 
 
 class TransformerFamily(ModelFamily):
@@ -53,7 +54,7 @@ class TransformerFamily(ModelFamily):
     def parallel_rules(self, cfg: ModelConfig, vocab_size: int) -> ParallelRules:
         heads = f"--model.n_head={cfg.n_head}"
         width = f"the MLP width d_ff={d_ff(cfg)} (--model.d_ff, default 8/3 x --model.d_model rounded up to 64)"
-        rows = padded_vocab_size(vocab_size)
+        rows = padded_vocab_size(table_rows(cfg, vocab_size))
         tensor = (
             Divisible(heads, cfg.n_head, ": each tensor-parallel rank computes whole attention heads"),
             Divisible(width, d_ff(cfg)),
@@ -78,7 +79,7 @@ class TransformerFamily(ModelFamily):
             n_head=cfg.n_head,
             d_ff=d_ff(cfg),
             vocab_size=vocab_size,
-            padded_vocab=padded_vocab_size(vocab_size),
+            padded_vocab=padded_vocab_size(table_rows(cfg, vocab_size)),
             tie_embeddings=cfg.tie_embeddings,
             max_seq_len=cfg.max_seq_len,
             dropout=cfg.dropout,

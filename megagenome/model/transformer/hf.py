@@ -27,6 +27,7 @@ from megagenome.model.transformer.blocks import (
     rope_original_max_len,
     yarn_mscale,
 )
+from megagenome.model.vocabulary import table_rows
 
 # Per block: megagenome's name -> Llama's (inside model.layers.{i}.); qkv is split separately.
 BLOCK_NAMES = {
@@ -158,10 +159,10 @@ class LlamaForm:
         self.cfg = cfg
 
     def to_hf(self, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-        return to_llama(state, self.cfg, vocab_size)
+        return to_llama(state, self.cfg, table_rows(self.cfg, vocab_size))
 
     def from_hf(self, weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-        return from_llama(weights, self.cfg, vocab_size)
+        return from_llama(weights, self.cfg, table_rows(self.cfg, vocab_size))
 
     def config(self, dtype: torch.dtype, vocab_size: int, pad_token_id: int) -> dict:
-        return llama_config(self.cfg, dtype, vocab_size, pad_token_id)
+        return llama_config(self.cfg, dtype, table_rows(self.cfg, vocab_size), pad_token_id)

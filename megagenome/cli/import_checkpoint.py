@@ -1,0 +1,51 @@
+"""`megagenome import` (layer L5): a published checkpoint -> a megagenome export directory
+(after_training/importing.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from jsonargparse import ArgumentParser
+
+from .args import Parsed
+
+HELP = "Import a published checkpoint (GPN, ...) as a megagenome export directory."
+FORMATS = ("gpn",)  # model/__init__.py PUBLISHED (not imported here: the parser stays torch-free); a test checks
+
+
+def parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="megagenome import",
+        description="Read a published model's checkpoint in its authors' layout and write a megagenome export "
+        "directory (model.safetensors, megagenome.json, a model card, model.yaml): eval, score-variants, embed, "
+        "finetune, export and `pretrain --model.init_from DIR` read it. What does not map into a megagenome "
+        "family is refused before anything is written, naming the key. An existing --output is refused.",
+    )
+    parser.add_argument(
+        "source",
+        type=str,
+        help="The checkpoint: a Hugging Face directory (config.json with model.safetensors, sharded safetensors "
+        "or pytorch_model.bin), or one weights file (.safetensors, .pt, .bin) with --config.",
+    )
+    parser.add_argument(
+        "--format",
+        type=Literal[FORMATS],
+        required=True,
+        help="The published layout: gpn (the gpn package's GPNForMaskedLM, convnet encoder).",
+    )
+    parser.add_argument("--output", type=str, required=True, help="Export directory to create (must not exist).")
+    parser.add_argument(
+        "--config",
+        type=str | None,
+        default=None,
+        help="The checkpoint's config (JSON or YAML), when SOURCE is a weights file or its config lives elsewhere.",
+    )
+    parser.add_argument("--dtype", type=Literal["fp32", "bf16"], default="fp32", help="Dtype of model.safetensors.")
+    return parser
+
+
+def main(parsed: Parsed) -> int:
+    from megagenome.after_training import importing
+
+    return importing.main(parsed.ns)

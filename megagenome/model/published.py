@@ -1,0 +1,77 @@
+"""The layouts of the field's published checkpoints (layer L1): how a published model maps into a megagenome family,
+both ways.
+
+A format (PublishedFormat, one per published layout, in the folder of the family it maps into, e.g.
+model/gpn/published.py) answers from what its authors publish, their config as a dict and their state dict:
+
+    model_config(config)        the family's ModelConfig, or ImportRefused naming the key and the reason (a variant
+                                megagenome does not implement): checked before anything is written
+    to_ours(weights, cfg)       megagenome's dense state dict (the family's names; every tensor of theirs used,
+                                every one of ours filled, or ImportRefused)
+    to_theirs(state, cfg)       the way back: (their config dict, their state dict), what their code loads
+
+The formats know no files: after_training/importing.py reads a checkpoint directory or file and writes an export
+directory, after_training/export.py writes the way back (`megagenome export --format`). model/__init__.py holds the
+registry (PUBLISHED, by --format name).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from megagenome.config import ModelConfig
+
+
+class ImportRefused(ValueError):
+    """A published checkpoint that does not map: `key` is its config key or weight name, `reason` why."""
+
+    def __init__(self, key: str, reason: str):
+        self.key, self.reason = key, reason
+        super().__init__(f"{key}: {reason}")
+
+
+class PublishedFormat(ABC):
+    """One published layout (the module docstring)."""
+
+    name: str  # --format
+    family: str  # the --model.family it maps into
+    title: str  # what it is, for --help and the docs
+    oracle: str  # the authors' code that reads and writes it (the tests' oracle)
+
+    @abstractmethod
+    def model_config(self, config: dict) -> ModelConfig: ...
+
+    @abstractmethod
+    def to_ours(self, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def to_theirs(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]: ...
+
+
+def expect(config: dict, key: str, allowed, reason: str, default=None) -> None:
+    """Refuse config[key] (default when absent) unless it is `allowed` (a value, or a tuple of values)."""
+    value = config.get(key, default)
+    options = allowed if isinstance(allowed, tuple) else (allowed,)
+    if value not in options:
+        raise ImportRefused(key, f"{value!r} is not supported ({reason})")
+
+
+def require(config: dict, *keys: str) -> None:
+    """Refuse a config without every one of `keys`."""
+    for key in keys:
+        if key not in config:
+            raise ImportRefused(key, "missing from the checkpoint's config")
+
+
+def take_all(weights: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """{our name: weights[their name]} for names = {our name: their name}; refuses a missing tensor or one left
+    over (a part of their model megagenome would silently drop)."""
+    missing = [theirs for theirs in names.values() if theirs not in weights]
+    if missing:
+        raise ImportRefused(missing[0], f"missing from the checkpoint's weights ({len(missing)} missing)")
+    extra = sorted(set(weights) - set(names.values()))
+    if extra:
+        raise ImportRefused(extra[0], f"a weight megagenome's model has no place for ({len(extra)} such)")
+    return {ours: weights[theirs] for ours, theirs in names.items()}
