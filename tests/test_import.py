@@ -8,6 +8,11 @@ megagenome's tokens must be the oracle's logits at GPN's ids of them (N and <sep
 masked batch the oracle's own loss on the same batch (their cross entropy over their 7 tokens), and the model
 written back with `export --format gpn` must load in GPNForMaskedLM.from_pretrained and give the oracle's logits.
 Both sides run the same float32 operations; the tolerance is test_gpn.py's (1e-5 of the largest logit).
+
+Continued training: `megagenome pretrain --config RUN.yaml --config DIR/model.yaml --model.init_from DIR` (the line
+`import` prints) runs on phiX174 through the real DeepSpeed engine (ZeRO-0, fp32, one rank), and its first step's
+logged loss must be the oracle's loss on that step's batch (rebuilt here from the same config: the same seeded
+windows and masks).
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from gpn.model import GPNConfig, GPNForMaskedLM
-from support.helpers import cli_here
+from support.helpers import cli, cli_here, copy_genome, run_config, tiny_config, write_yaml
 
 from megagenome.after_training.inference import load_model
 from megagenome.data import tokenizer
+from megagenome.data.dataset import build_genome_data
 from megagenome.model.vocabulary import VOCABULARIES
 
 RELATIVE_TOL = 1e-5
@@ -145,3 +152,28 @@ def test_refusals_name_the_key_and_leave_nothing(gpn_checkpoint, imported, tmp_p
     before = sorted(os.listdir(imported))
     proc = cli_here("import", source, "--format", "gpn", "--output", imported)
     assert proc.returncode == 2 and "already exists" in proc.stderr and sorted(os.listdir(imported)) == before
+
+
+def test_pretraining_continues_from_the_import_with_the_authors_loss(gpn_checkpoint, imported, tmp_path):
+    _, theirs = gpn_checkpoint
+    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path / "genome")
+    run = tiny_config(
+        tmp_path, fasta, tmp_path / "run", train__max_steps=2, train__warmup_steps=1, train__eval_interval=0
+    )
+    del run["model"]  # the import's model.yaml gives it
+    run["data"]["mlm_probability"] = 0.15
+    argv = ["--config", write_yaml(tmp_path / "run.yaml", run), "--config", os.path.join(imported, "model.yaml"),
+            "--model.init_from", imported]  # fmt: skip
+    proc = cli("pretrain", *argv, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    first = next(r for r in rows if r.get("step") == 1 and "loss" in r and "split" not in r)
+    cfg, _ = run_config(argv)
+    with build_genome_data(cfg.data, cfg.model.objective) as data:
+        batch = data.train_batch(np.arange(cfg.train.micro_batch_size))
+    ids, labels, weight = batch["input_ids"], batch["labels"], batch["loss_weight"]
+    assert set(weight.unique().tolist()) == {0.0, 1.0}  # GPN's loss: a plain mean over the masked positions
+    with torch.no_grad():
+        their_labels = torch.where(weight > 0, GPN_IDS[labels], -100)
+        want = theirs(input_ids=GPN_IDS[ids], labels=their_labels).loss.item()
+    assert abs(first["loss"] - want) <= 1e-5 * want, (first["loss"], want)
