@@ -225,7 +225,7 @@ def each(seam: str, skip_first: bool = False) -> list[tuple[str, str]]:
 def test_tensor_parallel_model_equals_dense_gradient_by_gradient(workers):
     for rank, result in enumerate(workers.two.checks()):
         cases = {k: v for k, v in result.items() if not k.startswith("control/")}
-        assert len(cases) == 4
+        assert len(cases) == 6  # hyena, striped_hyena and an imported Evo 2's form, each without and with selective
         for case, d in cases.items():
             print(f"rank {rank} {case}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items() if k != "local_params"))
             assert d["initial_weights"] == 0.0 and d["weight"] == 0.0, (case, d)  # the shards are the dense slices

@@ -43,6 +43,7 @@ import shutil
 import sys
 
 import torch
+import yaml
 
 from megagenome.after_training import hf_files, model_card, quantize, task_weights
 from megagenome.after_training.weights import (
@@ -105,7 +106,11 @@ def _main_published(ns) -> int:
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    print(f"megagenome: wrote {ns.run} in the {ns.format} layout to {ns.output} (config.json, {WEIGHTS})")
+    from megagenome.model import PUBLISHED
+
+    layout = PUBLISHED[ns.format]
+    print(f"megagenome: wrote {ns.run} in the {ns.format} layout to {ns.output} ({layout.config_file}, "
+          f"{layout.weights_file})")  # fmt: skip
     return 0
 
 
@@ -200,10 +205,19 @@ def export_published(source: str, fmt: str, output: str, step: int | None = None
         config, weights = PUBLISHED[fmt].to_theirs(state, model_cfg)
     except ValueError as e:  # ImportRefused: the model is not one the layout can hold
         raise ExportError(f"{source}: cannot be written in the {fmt} layout: {e}") from e
+    layout = PUBLISHED[fmt]
+    weights = {k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}
     with staged_directory(output) as tmp:
-        save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}, os.path.join(tmp, WEIGHTS),
-                  metadata={"format": "pt"})  # fmt: skip
-        _write_json(os.path.join(tmp, "config.json"), config)
+        path = os.path.join(tmp, layout.weights_file)
+        if path.endswith(".safetensors"):
+            save_file(weights, path, metadata={"format": "pt"})
+        else:
+            torch.save(weights, path)
+        if layout.config_file.endswith((".yml", ".yaml")):
+            with open(os.path.join(tmp, layout.config_file), "w", encoding="utf-8") as fh:
+                yaml.safe_dump(config, fh, sort_keys=False)
+        else:
+            _write_json(os.path.join(tmp, layout.config_file), config)
     return config
 
 

@@ -1,10 +1,10 @@
 """`megagenome import` (layer L4): a published checkpoint -> a megagenome export directory, which every command reads.
 
-    megagenome import SOURCE --format {gpn,...} --output DIR [--config FILE] [--dtype fp32|bf16]
+    megagenome import SOURCE --format {gpn,...} --output DIR [--source_config FILE] [--dtype fp32|bf16]
 
 SOURCE is what the model's authors publish: a Hugging Face directory (config.json beside model.safetensors, sharded
-*.safetensors with their index, or pytorch_model.bin) or one weights file (.safetensors, .pt, .bin) with its
-config given by --config (JSON or YAML). The format (model/published.py, PUBLISHED by name) maps the config into its
+*.safetensors with their index, or pytorch_model.bin) or one weights file (.safetensors, .pt, .bin) with its config
+given by --source_config (JSON or YAML). The format (model/published.py, PUBLISHED by name) maps the config into its
 family's ModelConfig and the weights into the family's names; what does not map is refused before anything is
 written, naming the key (and the file). DIR is then written as `megagenome export` writes one (export.py, the same
 staging under a temporary name, the same manifest and Hugging Face files), its manifest's source naming what it was
@@ -43,7 +43,7 @@ class ImportFailure(ValueError):
 def main(ns) -> int:
     """`megagenome import` on its parsed namespace: 0, or 2 with the reason on stderr."""
     try:
-        manifest = import_checkpoint(ns.source, ns.format, ns.output, ns.config, ns.dtype)
+        manifest = import_checkpoint(ns.source, ns.format, ns.output, ns.source_config, ns.dtype)
     except (ValueError, OSError) as e:  # ImportFailure, ImportRefused, ExportError, a corrupt file ...
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -81,14 +81,14 @@ def import_checkpoint(source: str, fmt: str, output: str, config_path: str | Non
 
 
 def read_config(source: str, config_path: str | None) -> tuple[dict, str]:
-    """(the published config as a dict, its file): --config, else SOURCE/config.json."""
+    """(the published config as a dict, its file): --source_config, else SOURCE/config.json."""
     if not os.path.exists(source):
         raise ImportFailure(f"{source}: no such file or directory (the checkpoint to import)")
     path = config_path or (os.path.join(source, "config.json") if os.path.isdir(source) else None)
     if path is None:
-        raise ImportFailure(f"{source} is a weights file: give its config with --config (JSON or YAML)")
+        raise ImportFailure(f"{source} is a weights file: give its config with --source_config (JSON or YAML)")
     if not os.path.isfile(path):
-        raise ImportFailure(f"{path}: no such file (the checkpoint's config; give it with --config)")
+        raise ImportFailure(f"{path}: no such file (the checkpoint's config; give it with --source_config)")
     import yaml
 
     with open(path, encoding="utf-8") as fh:
@@ -132,6 +132,8 @@ def read_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:
             raise ImportFailure(f"{path}: cannot read its weights: {' '.join(str(e).split())[:300]}") from e
         if isinstance(part, dict) and isinstance(part.get("state_dict"), dict):
             part = part["state_dict"]
+        if isinstance(part, dict):  # Transformer Engine's fp8 state beside a weight: no weight of its own
+            part = {k: v for k, v in part.items() if not k.endswith("_extra_state")}
         if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
             raise ImportFailure(f"{path}: not a state dict (a mapping of tensor names to tensors)")
         weights |= part

@@ -10,8 +10,8 @@ from jsonargparse import ArgumentParser
 
 from .args import Parsed
 
-HELP = "Import a published checkpoint (GPN, ...) as a megagenome export directory."
-FORMATS = ("gpn",)  # model/__init__.py PUBLISHED (not imported here: the parser stays torch-free); a test checks
+HELP = "Import a published checkpoint (Evo 2, GPN) as a megagenome export directory."
+FORMATS = ("evo2", "gpn")  # model/__init__.py PUBLISHED (not imported here: the parser stays torch-free); a test checks
 
 
 def parser() -> ArgumentParser:
@@ -26,17 +26,18 @@ def parser() -> ArgumentParser:
         "source",
         type=str,
         help="The checkpoint: a Hugging Face directory (config.json with model.safetensors, sharded safetensors "
-        "or pytorch_model.bin), or one weights file (.safetensors, .pt, .bin) with --config.",
+        "or pytorch_model.bin), or one weights file (.safetensors, .pt, .bin) with --source_config.",
     )
     parser.add_argument(
         "--format",
         type=Literal[FORMATS],
         required=True,
-        help="The published layout: gpn (the gpn package's GPNForMaskedLM, convnet encoder).",
+        help="The published layout: evo2 (Evo 2's vortex .pt with its YAML config as --source_config), gpn (the gpn "
+        "package's GPNForMaskedLM, convnet encoder).",
     )
     parser.add_argument("--output", type=str, required=True, help="Export directory to create (must not exist).")
     parser.add_argument(
-        "--config",
+        "--source_config",
         type=str | None,
         default=None,
         help="The checkpoint's config (JSON or YAML), when SOURCE is a weights file or its config lives elsewhere.",

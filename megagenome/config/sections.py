@@ -100,6 +100,19 @@ class ModelConfig:
     """Share the token embedding matrix with the output head."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
+    norm_form: Literal["rsqrt", "divide"] = "rsqrt"
+    """transformer and Hyena families: RMSNorm's formula. rsqrt: x * rsqrt(mean(x^2) + eps) * scale (Llama,
+    megagenome); divide: x / (rms(x) + eps) * scale, eps outside the root (StripedHyena: Evo 1 and Evo 2)."""
+    mlp_activation: Literal["silu", "gelu", "gelu_first"] = "silu"
+    """transformer and Hyena families: the gate of the gated MLP w_down(act(w_gate x) * w_up x). silu (SwiGLU),
+    gelu (erf GELU), gelu_first (Evo 2: GELU in the first block, no activation in every later block, a bilinear
+    w_down(w_gate x * w_up x))."""
+    biases: list[Literal["mixer_out", "attention_out"]] = field(default_factory=list)
+    """striped_hyena and transformer: the output projections that carry a bias: mixer_out (each Hyena operator's
+    out_proj), attention_out (each attention block's out projection). Evo 2 has both; megagenome's default none."""
+    mr_decay: bool = True
+    """striped_hyena: multiply the Hyena-MR filters by HyenaDNA's per-channel exponential decay; false: the taps as
+    they are (Evo 2's published checkpoints store the MR taps already decayed)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     objective: Literal["clm", "mlm"] = "clm"

@@ -74,19 +74,24 @@ def init_normal_(module: nn.Module, std: float) -> None:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale and no bias, computed in float32.
+    """Root-mean-square norm with a learned scale and no bias, computed in float32. form "divide" is StripedHyena's
+    variant, x / (rms(x) + eps) (--model.norm_form), for the published models that were trained with it.
 
     Squaring bf16/fp16 activations loses precision (and can overflow in fp16), so the statistics
     and the scaling are done in float32 and the result is cast back to the input dtype. Runs as
     torch's fused rms_norm (one kernel forward and one backward on CUDA, instead of about ten).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, form: str = "rsqrt"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.form = eps, form
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "divide":  # StripedHyena's: x / (||x|| / sqrt(d) + eps) * scale, in float32
+            xf = x.float()
+            rms = xf.norm(2, dim=-1, keepdim=True) * x.size(-1) ** -0.5  # (..., 1)
+            return (xf / (rms + self.eps) * self.weight.float()).to(x.dtype)  # (..., dim)
         # torch's rms_norm: one fused kernel on CUDA (statistics and scaling in float32, result in x's dtype), on CPU
         # the same float32 formula op by op; bit-identical to x.float() * rsqrt(mean(x^2) + eps) * weight, cast back.
         if self.weight.dtype == x.dtype:

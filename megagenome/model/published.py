@@ -39,6 +39,8 @@ class PublishedFormat(ABC):
     family: str  # the --model.family it maps into
     title: str  # what it is, for --help and the docs
     oracle: str  # the authors' code that reads and writes it (the tests' oracle)
+    weights_file = "model.safetensors"  # what `export --format` writes: safetensors, or torch.save for a .pt
+    config_file = "config.json"  # ... and the config beside it: JSON, or YAML for a .yml
 
     @abstractmethod
     def model_config(self, config: dict) -> ModelConfig: ...

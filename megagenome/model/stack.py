@@ -71,7 +71,7 @@ class BlockStack(nn.Module):
         self.begin(cfg, vocab_size)
         self.embed = layers.embedding(self.padded_vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(blocks())
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_form)
         self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=self.embed if cfg.tie_embeddings else None)
         self.finish_init(layers)
 

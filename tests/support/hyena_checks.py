@@ -30,6 +30,19 @@ from support.tp_checks import VOCAB, _batch  # the transformer's check's batch: 
 MODELS = {
     "hyena": {"family": "hyena", "n_layer": 2, "filter_width": 16},
     "striped_hyena": {"family": "striped_hyena", "n_layer": 4, "layer_pattern": "SE MR LI A", "mr_filter_len": 16},
+    # An imported Evo 2's options (model/hyena/published.py): the byte table, StripedHyena's norm, GELU in block 0
+    # only, the replicated output biases, MR taps without decay.
+    "evo2_form": {
+        "family": "striped_hyena",
+        "n_layer": 4,
+        "layer_pattern": "SE MR LI A",
+        "mr_filter_len": 16,
+        "vocabulary": "bytes",
+        "norm_form": "divide",
+        "mlp_activation": "gelu_first",
+        "biases": ["mixer_out", "attention_out"],
+        "mr_decay": False,
+    },
 }
 
 
@@ -45,9 +58,10 @@ def _cfg(family: str, checkpointing: str) -> ModelConfig:
 def _pair(state, cfg: ModelConfig):
     family = family_of(cfg)
     torch.manual_seed(0)
-    dense = family.build(cfg, VOCAB)
+    vocab = VOCAB if cfg.vocabulary == "megagenome" else 8  # a published table maps megagenome's 8 tokens
+    dense = family.build(cfg, vocab)
     torch.manual_seed(0)
-    sharded = family.build(cfg, VOCAB, tp.TensorParallelLayers(state, seed=1234))
+    sharded = family.build(cfg, vocab, tp.TensorParallelLayers(state, seed=1234))
     return dense, sharded
 
 

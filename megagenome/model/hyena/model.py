@@ -25,12 +25,12 @@ from megagenome.model.transformer.blocks import MLP, Block
 class HyenaBlock(nn.Module):
     """Pre-norm block with a Hyena operator of `kind` as its mixer: x + mixer(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, layers):
+    def __init__(self, cfg: ModelConfig, kind: str, layers, index: int = 0):
         super().__init__()
-        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_form)
         self.mixer = HyenaOperator(cfg, kind, layers)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg, layers)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_form)
+        self.mlp = MLP(cfg, layers, index)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def set_recompute(self, fn: Callable | None) -> None:
@@ -65,8 +65,8 @@ class HyenaLM(BlockStack):
         super().__init__()
         self.kinds = layer_kinds(cfg)
         layers = layers or DenseLayers()
-        blocks = [(lambda kind=kind: Block(cfg, layers) if kind == "A" else HyenaBlock(cfg, kind, layers))
-                  for kind in self.kinds]  # fmt: skip
+        blocks = [(lambda i=i, kind=kind: Block(cfg, layers, i) if kind == "A" else HyenaBlock(cfg, kind, layers, i))
+                  for i, kind in enumerate(self.kinds)]  # fmt: skip
         self.build(cfg, vocab_size, layers, lambda: [make() for make in blocks])
         self._init_weights()
 

@@ -251,10 +251,12 @@ class HyenaOperator(nn.Module):
             self.filter = ModalFilter(d, cfg.state_size, cfg.max_seq_len, layers)
         else:
             length = cfg.se_filter_len if kind == "SE" else cfg.mr_filter_len
-            self.filter = ExplicitFilter(d, length, kind == "MR", layers)
+            self.filter = ExplicitFilter(d, length, kind == "MR" and cfg.mr_decay, layers)
         self.D = layers.channels(torch.ones(d))  # (channels,)
         self.D.no_weight_decay = True
         self.out_proj = layers.row(d, d)
+        # --model.biases mixer_out: a bias after out_proj (replicated; added once, after a row-parallel reduction).
+        self.out_bias = nn.Parameter(torch.zeros(d)) if "mixer_out" in cfg.biases else None
         self.fft = by_fft(cfg, kind)
         # Selective checkpointing (set by the block): fn(function, *args) recomputes the long convolution in
         # backward, keeping only its inputs. None: keep what it saves.
@@ -302,4 +304,5 @@ class HyenaOperator(nn.Module):
         if self.recompute_core is not None and torch.is_grad_enabled():
             core = functools.partial(self.recompute_core, self._core)
         y = core(u, h, self.D).to(x2.dtype) * x2  # (B, channels, T)
-        return self.out_proj(y.transpose(1, 2))  # (B, T, d)
+        out = self.out_proj(y.transpose(1, 2))  # (B, T, d)
+        return out if self.out_bias is None else out + self.out_bias.to(out.dtype)

@@ -221,6 +221,9 @@ class SelfAttention(nn.Module):
         # tensor-parallel rank whole heads with their own q, k and v.
         self.qkv = layers.column(cfg.d_model, 3 * cfg.d_model)
         self.proj = layers.row(cfg.d_model, cfg.d_model)
+        # --model.biases attention_out: a bias after the output projection (replicated; added once, after a
+        # tensor-parallel row-parallel projection's reduction).
+        self.proj_bias = nn.Parameter(torch.zeros(cfg.d_model)) if "attention_out" in cfg.biases else None
         scaling = (cfg.rope_scaling, cfg.rope_factor, rope_original_max_len(cfg))
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta, *scaling)
         # Selective activation checkpointing: a checkpoint function (fn(function, *args)) that recomputes
@@ -261,34 +264,43 @@ class SelfAttention(nn.Module):
         else:
             y = core(q, k, v)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * head_dim)
-        return self.proj(y)  # (B, T, d_model)
+        out = self.proj(y)  # (B, T, d_model)
+        return out if self.proj_bias is None else out + self.proj_bias.to(out.dtype)
+
+
+# --model.mlp_activation -> the gate's activation of block `index` (None: no activation).
+GATES = {"silu": lambda index: F.silu, "gelu": lambda index: F.gelu, "gelu_first": lambda i: F.gelu if i == 0 else None}
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: w_down(silu(w_gate(x)) * w_up(x)), no biases."""
+    """Gated feed-forward: w_down(act(w_gate(x)) * w_up(x)), no biases; act by --model.mlp_activation (SwiGLU's silu
+    by default) for the model's block `index`."""
 
-    def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None):
+    def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None, index: int = 0):
         super().__init__()
         layers = layers or DenseLayers()
         hidden = d_ff(cfg)
         self.w_gate = layers.column(cfg.d_model, hidden)
         self.w_up = layers.column(cfg.d_model, hidden)
         self.w_down = layers.row(hidden, cfg.d_model)
+        self.act = GATES[cfg.mlp_activation](index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.w_gate(x)) * self.w_up(x)  # (B, T, d_ff)
+        gate = self.w_gate(x)  # (B, T, d_ff)
+        h = (gate if self.act is None else self.act(gate)) * self.w_up(x)  # (B, T, d_ff)
         return self.w_down(h)  # (B, T, d_model)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), with residual dropout."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), with residual dropout; `index` its place
+    in the model (--model.mlp_activation gelu_first)."""
 
-    def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None):
+    def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None, index: int = 0):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_form)
         self.attn = SelfAttention(cfg, layers)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg, layers)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_form)
+        self.mlp = MLP(cfg, layers, index)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def set_recompute(self, fn: Callable | None) -> None:

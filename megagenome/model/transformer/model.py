@@ -32,7 +32,7 @@ class DNATransformer(BlockStack):
         if cfg.n_head > 0 and cfg.d_model % cfg.n_head == 0 and (cfg.d_model // cfg.n_head) % 2:
             raise ValueError(f"head size --model.d_model/--model.n_head={cfg.d_model // cfg.n_head} must be even")
         layers = layers or DenseLayers()
-        self.build(cfg, vocab_size, layers, lambda: [Block(cfg, layers) for _ in range(cfg.n_layer)])
+        self.build(cfg, vocab_size, layers, lambda: [Block(cfg, layers, i) for i in range(cfg.n_layer)])
         self.apply(self._init_weights)
         # GPT-2 rule: each block adds two residual branches, so scaling the projections that write
         # into the residual stream by 1/sqrt(2 * n_layer) keeps its variance independent of depth.

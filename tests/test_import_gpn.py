@@ -20,15 +20,14 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 from gpn.model import GPNConfig, GPNForMaskedLM
-from support.helpers import cli, cli_here, copy_genome, run_config, tiny_config, write_yaml
+from support.helpers import cli_here
+from support.import_checks import first_step
 
 from megagenome.after_training.inference import load_model
 from megagenome.data import tokenizer
-from megagenome.data.dataset import build_genome_data
 from megagenome.model.vocabulary import VOCABULARIES
 
 RELATIVE_TOL = 1e-5
@@ -90,11 +89,13 @@ def test_gpn_import_gives_gpns_logits_and_loss(gpn_checkpoint, imported):
     with torch.no_grad():
         want = theirs(input_ids=GPN_IDS[ids]).logits  # (B, T, 7)
         got = model.logits(ids)
+        print(f"gpn import: logits differ by {relative(got, want[..., GPN_IDS]):.3g} of the largest")
         assert relative(got, want[..., GPN_IDS]) <= RELATIVE_TOL
         assert relative(model.table_logits(ids), want) <= RELATIVE_TOL
         their_labels = torch.where(labels >= 0, GPN_IDS[labels.clamp(min=0)], labels)
         their_loss = theirs(input_ids=GPN_IDS[ids], labels=their_labels).loss
         loss, nll_sum, weight_sum = model(ids, labels, weight)
+    print(f"gpn import: loss {loss.item():.6f}, gpn's {their_loss.item():.6f}")
     assert abs(loss.item() - their_loss.item()) <= 1e-6 * their_loss.item()
     manifest = json.load(open(os.path.join(imported, "megagenome.json")))
     assert manifest["source"]["format"] == "gpn" and manifest["source"]["imported_from"] == gpn_checkpoint[0]
@@ -111,6 +112,7 @@ def test_gpn_way_back_loads_in_gpn(gpn_checkpoint, imported, tmp_path):
     with torch.no_grad():
         want = theirs(input_ids=GPN_IDS[ids]).logits
         got = again(input_ids=GPN_IDS[ids]).logits
+    print(f"gpn way back: GPNForMaskedLM's logits of the exported model differ by {relative(got, want):.3g}")
     assert relative(got, want) <= RELATIVE_TOL
     assert sorted(os.listdir(back)) == ["config.json", "model.safetensors"]
 
@@ -146,8 +148,8 @@ def test_refusals_name_the_key_and_leave_nothing(gpn_checkpoint, imported, tmp_p
     refused(["import", deeper, "--format", "gpn", "--output", out], out, "model.encoder.layer.3")
     nowhere = str(tmp_path / "nowhere")
     refused(["import", nowhere, "--format", "gpn", "--output", out], out, nowhere, "no such file")
-    weights_only = os.path.join(source, "model.safetensors")  # a weights file needs --config
-    refused(["import", weights_only, "--format", "gpn", "--output", out], out, "--config")
+    weights_only = os.path.join(source, "model.safetensors")  # a weights file needs --source_config
+    refused(["import", weights_only, "--format", "gpn", "--output", out], out, "--source_config")
     # An existing --output is never touched.
     before = sorted(os.listdir(imported))
     proc = cli_here("import", source, "--format", "gpn", "--output", imported)
@@ -156,24 +158,11 @@ def test_refusals_name_the_key_and_leave_nothing(gpn_checkpoint, imported, tmp_p
 
 def test_pretraining_continues_from_the_import_with_the_authors_loss(gpn_checkpoint, imported, tmp_path):
     _, theirs = gpn_checkpoint
-    fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path / "genome")
-    run = tiny_config(
-        tmp_path, fasta, tmp_path / "run", train__max_steps=2, train__warmup_steps=1, train__eval_interval=0
-    )
-    del run["model"]  # the import's model.yaml gives it
-    run["data"]["mlm_probability"] = 0.15
-    argv = ["--config", write_yaml(tmp_path / "run.yaml", run), "--config", os.path.join(imported, "model.yaml"),
-            "--model.init_from", imported]  # fmt: skip
-    proc = cli("pretrain", *argv, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    first = next(r for r in rows if r.get("step") == 1 and "loss" in r and "split" not in r)
-    cfg, _ = run_config(argv)
-    with build_genome_data(cfg.data, cfg.model.objective) as data:
-        batch = data.train_batch(np.arange(cfg.train.micro_batch_size))
+    loss, batch = first_step(imported, tmp_path, mlm_probability=0.15)
     ids, labels, weight = batch["input_ids"], batch["labels"], batch["loss_weight"]
     assert set(weight.unique().tolist()) == {0.0, 1.0}  # GPN's loss: a plain mean over the masked positions
     with torch.no_grad():
         their_labels = torch.where(weight > 0, GPN_IDS[labels], -100)
         want = theirs(input_ids=GPN_IDS[ids], labels=their_labels).loss.item()
-    assert abs(first["loss"] - want) <= 1e-5 * want, (first["loss"], want)
+    print(f"gpn continued pretraining: first step's loss {loss:.6f}, gpn's on its batch {want:.6f}")
+    assert abs(loss - want) <= 1e-5 * want, (loss, want)
