@@ -1,5 +1,5 @@
 """`megagenome import --format evo2` and `megagenome export --format evo2` against Evo 2's own code
-(model/hyena/published.py).
+(model/hyena/evo2.py).
 
 The oracle is vtx 1.1.0, Arc Institute's vortex (installed by the README's test command with --no-deps), run on this
 CPU in float32 with the two stand-ins tests/support/vortex_cpu.py describes (its Triton rotary kernel and a CUDA

@@ -10,8 +10,9 @@ from jsonargparse import ArgumentParser
 
 from .args import Parsed
 
-HELP = "Import a published checkpoint (Evo 2, GPN) as a megagenome export directory."
-FORMATS = ("evo2", "gpn")  # model/__init__.py PUBLISHED (not imported here: the parser stays torch-free); a test checks
+HELP = "Import a published checkpoint (Evo 2, Evo 1, GPN) as a megagenome export directory."
+# model/__init__.py PUBLISHED, not imported here (the parser stays torch-free); tests/test_cli.py checks they agree.
+FORMATS = ("evo2", "evo1", "gpn")
 
 
 def parser() -> ArgumentParser:
@@ -32,8 +33,9 @@ def parser() -> ArgumentParser:
         "--format",
         type=Literal[FORMATS],
         required=True,
-        help="The published layout: evo2 (Evo 2's vortex .pt with its YAML config as --source_config), gpn (the gpn "
-        "package's GPNForMaskedLM, convnet encoder).",
+        help="The published layout: evo2 (Evo 2's vortex .pt with its YAML config as --source_config), evo1 (Evo 1's "
+        "Hugging Face checkpoint or a stripedhyena state dict), gpn (the gpn package's GPNForMaskedLM, convnet "
+        "encoder).",
     )
     parser.add_argument("--output", type=str, required=True, help="Export directory to create (must not exist).")
     parser.add_argument(

@@ -107,9 +107,10 @@ class ModelConfig:
     """transformer and Hyena families: the gate of the gated MLP w_down(act(w_gate x) * w_up x). silu (SwiGLU),
     gelu (erf GELU), gelu_first (Evo 2: GELU in the first block, no activation in every later block, a bilinear
     w_down(w_gate x * w_up x))."""
-    biases: list[Literal["mixer_out", "attention_out"]] = field(default_factory=list)
-    """striped_hyena and transformer: the output projections that carry a bias: mixer_out (each Hyena operator's
-    out_proj), attention_out (each attention block's out projection). Evo 2 has both; megagenome's default none."""
+    biases: list[Literal["mixer_in", "short_filter", "mixer_out", "qkv", "attention_out"]] = field(default_factory=list)
+    """striped_hyena and transformer: the projections that carry a bias: mixer_in, short_filter, mixer_out (each Hyena
+    operator's input projection, featurizer convolution and out_proj), qkv, attention_out (each attention block's).
+    Evo 2 has mixer_out and attention_out, Evo 1 all five; megagenome's default none."""
     mr_decay: bool = True
     """striped_hyena: multiply the Hyena-MR filters by HyenaDNA's per-channel exponential decay; false: the taps as
     they are (Evo 2's published checkpoints store the MR taps already decayed)."""

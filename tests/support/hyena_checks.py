@@ -30,7 +30,7 @@ from support.tp_checks import VOCAB, _batch  # the transformer's check's batch: 
 MODELS = {
     "hyena": {"family": "hyena", "n_layer": 2, "filter_width": 16},
     "striped_hyena": {"family": "striped_hyena", "n_layer": 4, "layer_pattern": "SE MR LI A", "mr_filter_len": 16},
-    # An imported Evo 2's options (model/hyena/published.py): the byte table, StripedHyena's norm, GELU in block 0
+    # An imported Evo 2's options (model/hyena/evo2.py): the byte table, StripedHyena's norm, GELU in block 0
     # only, the replicated output biases, MR taps without decay.
     "evo2_form": {
         "family": "striped_hyena",

@@ -34,6 +34,8 @@ class HyenaFamily(ModelFamily):
         **TRANSFORMER.partition_dims,
         "mixer.in_proj.weight": 0,
         "mixer.short_filter": 0,
+        "mixer.in_bias": 0,
+        "mixer.short_bias": 0,
         "mixer.D": 0,
         "mixer.out_proj.weight": 1,
         "filter.out.weight": 0,

@@ -245,6 +245,9 @@ class HyenaOperator(nn.Module):
         k = cfg.short_filter_len
         self.short_filter = layers.channels(torch.randn(3 * d, k) / math.sqrt(k))  # (3 channels, k)
         self.short_filter.no_weight_decay = True
+        # --model.biases mixer_in, short_filter: per channel of the 3d projected rows (split like them).
+        self.in_bias = layers.channels(torch.zeros(3 * d)) if "mixer_in" in cfg.biases else None
+        self.short_bias = layers.channels(torch.zeros(3 * d)) if "short_filter" in cfg.biases else None
         if kind == "H":
             self.filter = ImplicitFilter(cfg, layers)
         elif kind == "LI":
@@ -289,8 +292,11 @@ class HyenaOperator(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        z = self.in_proj(x).transpose(1, 2)  # (B, 3 channels, T)
+        z = self.in_proj(x)  # (B, T, 3 channels)
+        z = (z if self.in_bias is None else z + self.in_bias.to(z.dtype)).transpose(1, 2)  # (B, 3 channels, T)
         z = self._short(z, self.short_filter.float())  # (B, 3 channels, T): the featurizer
+        if self.short_bias is not None:
+            z = z + self.short_bias.to(z.dtype)[:, None]
         x2, x1, v = z.view(B, -1, 3, self.head_size, T).unbind(2)  # 3 x (B, heads, head_size, T)
         x2, u = x2.reshape(B, -1, T), (x1 * v).reshape(B, -1, T)  # 2 x (B, channels, T)
         if self.exchange is None:

@@ -220,6 +220,8 @@ class SelfAttention(nn.Module):
         # Megatron layout: splitting the output dimension into contiguous shards gives each
         # tensor-parallel rank whole heads with their own q, k and v.
         self.qkv = layers.column(cfg.d_model, 3 * cfg.d_model)
+        # --model.biases qkv: one per output row, split by heads like the rows.
+        self.qkv_bias = layers.channels(torch.zeros(3 * cfg.d_model)) if "qkv" in cfg.biases else None
         self.proj = layers.row(cfg.d_model, cfg.d_model)
         # --model.biases attention_out: a bias after the output projection (replicated; added once, after a
         # tensor-parallel row-parallel projection's reduction).
@@ -249,7 +251,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, n_head, 3, head_dim)
+        qkv = self.qkv(x)  # (B, T, 3 d_model)
+        qkv = qkv if self.qkv_bias is None else qkv + self.qkv_bias.to(qkv.dtype)
+        qkv = qkv.view(B, T, -1, 3, self.head_dim)  # (B, T, n_head, 3, head_dim)
         offset = self.sequence_rank * T  # global position of this chunk's first token
         q, k, v = self.rotary.rotate_qkv(qkv, offset)  # 3 x (B, T, n_head, head_dim), views
         # Strided views in the kernels' (B, n_head, T, head_dim) layout: no copy, and flash-attn gets them back as

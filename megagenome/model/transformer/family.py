@@ -28,6 +28,7 @@ class TransformerFamily(ModelFamily):
     # the embedding and LM head by vocabulary rows.
     partition_dims = {
         "attn.qkv.weight": 0,
+        "attn.qkv_bias": 0,
         "attn.proj.weight": 1,
         "mlp.w_gate.weight": 0,
         "mlp.w_up.weight": 0,
