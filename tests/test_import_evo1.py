@@ -24,14 +24,11 @@ import torch.nn.functional as F
 from stripedhyena.model import StripedHyena
 from stripedhyena.utils import dotdict
 from support.helpers import cli_here
-from support.import_checks import first_step
+from support.import_checks import BYTES, byte_logits, first_step, import_into, relative, tokens
 
 from megagenome.after_training.inference import load_model
-from megagenome.data import tokenizer
-from megagenome.model.vocabulary import VOCABULARIES
 
 RELATIVE_TOL = 1e-5
-BYTES = torch.tensor(VOCABULARIES["bytes"].ids)
 CONFIG = dict(
     model_type="stripedhyena", vocab_size=512, hidden_size=32, num_filters=32, num_layers=3, hyena_layer_idxs=[0, 1, 2],
     attn_layer_idxs=[], num_attention_heads=4, inner_mlp_size=48, state_size=4, short_filter_length=3,
@@ -74,24 +71,7 @@ def evo1(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def imported(evo1, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("imported") / "evo1_tiny")
-    proc = cli_here("import", evo1[0], "--format", "evo1", "--output", out)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-def tokens(B: int = 2, T: int = 100, seed: int = 3) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(tokenizer.A_ID, tokenizer.VOCAB_SIZE, (B, T), generator=g)
-
-
-def their_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(BYTES[ids])[0]  # (B, T, 512)
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
+    return import_into(evo1[0], "evo1", str(tmp_path_factory.mktemp("imported") / "evo1_tiny"))
 
 
 def test_import_gives_stripedhyenas_logits_and_loss(evo1, imported):
@@ -99,7 +79,7 @@ def test_import_gives_stripedhyenas_logits_and_loss(evo1, imported):
     model = load_model(imported).model.eval()
     assert model.cfg.biases == ["mixer_in", "short_filter", "mixer_out", "qkv", "attention_out"]
     ids = tokens()
-    want = their_logits(theirs, ids)
+    want = byte_logits(theirs, ids)
     with torch.no_grad():
         err = relative(model.table_logits(ids), want)
         labels = ids[:, 1:]
@@ -118,7 +98,7 @@ def test_way_back_loads_in_stripedhyena(evo1, imported, tmp_path):
 
     again = build(json.loads((back / "config.json").read_text()))
     again.load_state_dict(load_file(back / "model.safetensors"))
-    err = relative(their_logits(again, tokens(seed=8)), their_logits(theirs, tokens(seed=8)))
+    err = relative(byte_logits(again, tokens(seed=8)), byte_logits(theirs, tokens(seed=8)))
     print(f"evo1 way back: stripedhyena's logits of the exported model differ by {err:.3g} of the largest")
     assert err <= RELATIVE_TOL
 
@@ -142,6 +122,6 @@ def test_pretraining_continues_from_the_import_with_stripedhyenas_loss(evo1, imp
     loss, batch = first_step(imported, tmp_path)
     ids, labels, weight = batch["input_ids"], batch["labels"], batch["loss_weight"]
     assert (weight == 1).all()
-    ce = F.cross_entropy(their_logits(theirs, ids).flatten(0, 1), BYTES[labels].flatten()).item()
+    ce = F.cross_entropy(byte_logits(theirs, ids).flatten(0, 1), BYTES[labels].flatten()).item()
     print(f"evo1 continued pretraining: first step's loss {loss:.6f}, stripedhyena's on its batch {ce:.6f}")
     assert abs(loss - ce) <= 1e-5 * ce

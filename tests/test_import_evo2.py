@@ -27,15 +27,12 @@ import torch.nn.functional as F
 import yaml
 from support import vortex_cpu
 from support.helpers import cli_here
-from support.import_checks import first_step
+from support.import_checks import BYTES, byte_logits, first_step, import_into, relative, tokens
 
 from megagenome.after_training.inference import load_model
-from megagenome.data import tokenizer
-from megagenome.model.vocabulary import VOCABULARIES
 
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available")  # vortex's autocast("cuda") on a CPU
 RELATIVE_TOL = 1e-5
-BYTES = torch.tensor(VOCABULARIES["bytes"].ids)  # each megagenome token's byte
 CONFIG = dict(
     model_name="evo2-tiny", vocab_size=512, hidden_size=32, num_filters=32, num_layers=6,
     hcs_layer_idxs=[0, 4], hcm_layer_idxs=[1, 5], hcl_layer_idxs=[2], attn_layer_idxs=[3],
@@ -94,32 +91,15 @@ def evo2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def imported(evo2, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("imported") / "evo2_tiny")
-    proc = cli_here("import", evo2[0], "--source_config", evo2[1], "--format", "evo2", "--output", out)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-def tokens(B: int = 2, T: int = 150, seed: int = 3) -> torch.Tensor:
-    """megagenome tokens (bases and N); T above the MR filter's 128 taps."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(tokenizer.A_ID, tokenizer.VOCAB_SIZE, (B, T), generator=g)
-
-
-def their_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(BYTES[ids])[0]  # (B, T, 512)
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
+    return import_into(evo2[0], "evo2", out, "--source_config", evo2[1])  # T: 150 > the MR filter's 128 taps
 
 
 def test_the_checkpoint_is_what_vortex_loads(evo2):
     weights, _, theirs = evo2
     again = vortex_cpu.build(CONFIG)
     again.custom_load_state_dict(torch.load(weights))
-    ids = tokens()
-    assert torch.equal(their_logits(again, ids), their_logits(theirs, ids))
+    ids = tokens(T=150)
+    assert torch.equal(byte_logits(again, ids), byte_logits(theirs, ids))
 
 
 def test_import_gives_vortex_logits_and_loss(evo2, imported):
@@ -128,8 +108,8 @@ def test_import_gives_vortex_logits_and_loss(evo2, imported):
     cfg = model.cfg
     assert (cfg.layer_pattern, cfg.vocabulary, cfg.norm_form, cfg.mlp_activation) == (
         "SE MR LI A SE MR", "bytes", "divide", "gelu_first")  # fmt: skip
-    ids = tokens()
-    want = their_logits(theirs, ids)
+    ids = tokens(T=150)
+    want = byte_logits(theirs, ids)
     with torch.no_grad():
         err = relative(model.table_logits(ids), want)
         print(f"evo2 import: logits differ by {err:.3g} of the largest")
@@ -154,8 +134,8 @@ def test_way_back_loads_in_vortex(evo2, imported, tmp_path):
         "hcs_filter_groups": 4, "hcm_filter_groups": 8, "hcm_layer_idxs": [1, 5]}  # fmt: skip
     again = vortex_cpu.build(config)
     again.custom_load_state_dict(torch.load(back / "model.pt"))
-    ids = tokens(seed=8)
-    err = relative(their_logits(again, ids), their_logits(theirs, ids))
+    ids = tokens(T=150, seed=8)
+    err = relative(byte_logits(again, ids), byte_logits(theirs, ids))
     print(f"evo2 way back: vortex's logits of the exported model differ by {err:.3g} of the largest")
     assert err <= RELATIVE_TOL
 
@@ -164,8 +144,8 @@ def test_a_wrong_mapping_is_caught(evo2, imported):
     """Each deliberate mistake in the mapping moves the logits by far more than the tolerance."""
     theirs = evo2[2]
     model = load_model(imported).model.eval()
-    ids = tokens()
-    want = their_logits(theirs, ids)
+    ids = tokens(T=150)
+    want = byte_logits(theirs, ids)
     mistakes = {
         "SE taps not reversed": lambda m: m.blocks[0].mixer.filter.h.copy_(m.blocks[0].mixer.filter.h.flip(-1)),
         "MR taps reversed": lambda m: m.blocks[1].mixer.filter.h.copy_(m.blocks[1].mixer.filter.h.flip(-1)),
@@ -211,6 +191,6 @@ def test_pretraining_continues_from_the_import_with_vortex_loss(evo2, imported, 
     loss, batch = first_step(imported, tmp_path)
     ids, labels, weight = batch["input_ids"], batch["labels"], batch["loss_weight"]
     assert (weight == 1).all()  # phiX174 has no soft-masked bases: the loss is the plain mean
-    ce = F.cross_entropy(their_logits(theirs, ids).flatten(0, 1), BYTES[labels].flatten())
+    ce = F.cross_entropy(byte_logits(theirs, ids).flatten(0, 1), BYTES[labels].flatten())
     print(f"evo2 continued pretraining: first step's loss {loss:.6f}, vortex's on its batch {ce.item():.6f}")
     assert abs(loss - ce.item()) <= 1e-5 * ce.item(), (loss, ce.item())

@@ -77,3 +77,21 @@ def take_all(weights: dict[str, torch.Tensor], names: dict[str, str]) -> dict[st
     if extra:
         raise ImportRefused(extra[0], f"a weight megagenome's model has no place for ({len(extra)} such)")
     return {ours: weights[theirs] for ours, theirs in names.items()}
+
+
+def layers_by_index(config: dict, kinds: dict[str, str]) -> list[str]:
+    """The operator of each of config["num_layers"] layers from index lists, kinds = {config key: operator} (e.g.
+    Evo 2's hcs_layer_idxs -> SE); every layer in exactly one list, or ImportRefused naming the key."""
+    n = int(config["num_layers"])
+    out: list[str | None] = [None] * n
+    for key, kind in kinds.items():
+        for i in config.get(key) or []:
+            if not 0 <= int(i) < n:
+                raise ImportRefused(key, f"layer {i} is outside 0..{n - 1} (num_layers {n})")
+            if out[int(i)] is not None:
+                raise ImportRefused(key, f"layer {i} is also a {out[int(i)]} layer")
+            out[int(i)] = kind
+    missing = [i for i, k in enumerate(out) if k is None]
+    if missing:
+        raise ImportRefused("num_layers", f"layers {missing[:5]} are in none of {', '.join(kinds)}")
+    return out  # type: ignore[return-value]

@@ -10,8 +10,36 @@ import pathlib
 import numpy as np
 import torch
 
+from megagenome.data import tokenizer
 from megagenome.data.dataset import build_genome_data
-from support.helpers import cli, copy_genome, run_config, tiny_config, write_yaml
+from megagenome.model.vocabulary import VOCABULARIES
+from support.helpers import cli, cli_here, copy_genome, run_config, tiny_config, write_yaml
+
+BYTES = torch.tensor(VOCABULARIES["bytes"].ids)  # each megagenome token's byte (Evo 1 and Evo 2)
+
+
+def import_into(source: str, fmt: str, out: str, *flags: str) -> str:
+    """`megagenome import SOURCE --format FMT --output OUT FLAGS` (in this process), which must succeed; OUT."""
+    proc = cli_here("import", source, "--format", fmt, "--output", out, *flags)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def tokens(B: int = 2, T: int = 100, seed: int = 3) -> torch.Tensor:
+    """Random megagenome tokens, bases and N."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(tokenizer.A_ID, tokenizer.VOCAB_SIZE, (B, T), generator=g)
+
+
+def byte_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """An Evo model's (stripedhyena's or vortex's) logits over its 512 bytes, (B, T, 512), of megagenome tokens."""
+    with torch.no_grad():
+        return model(BYTES[ids])[0]
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference over the largest magnitude of `want`."""
+    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def first_step(imported: str, tmp_path: pathlib.Path, **data) -> tuple[float, dict[str, torch.Tensor]]:

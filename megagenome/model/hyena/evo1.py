@@ -28,25 +28,11 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig, d_ff, layer_kinds
-from megagenome.model.published import ImportRefused, PublishedFormat, expect, require
+from megagenome.model.published import ImportRefused, PublishedFormat, expect, layers_by_index, require
 from megagenome.model.stack import padded_vocab_size
 
 KINDS = {"hyena_layer_idxs": "LI", "attn_layer_idxs": "A"}
 PREFIX = "backbone."  # Evo 1's Hugging Face checkpoints (StripedHyenaModelForCausalLM.backbone)
-
-
-def _pattern(config: dict) -> list[str]:
-    n = int(config["num_layers"])
-    kinds: list[str | None] = [None] * n
-    for key, kind in KINDS.items():
-        for i in config.get(key) or []:
-            if not 0 <= int(i) < n or kinds[int(i)] is not None:
-                raise ImportRefused(key, f"layer {i} is outside 0..{n - 1} or listed twice")
-            kinds[int(i)] = kind
-    missing = [i for i, k in enumerate(kinds) if k is None]
-    if missing:
-        raise ImportRefused("num_layers", f"layers {missing[:5]} are in none of {', '.join(KINDS)}")
-    return kinds  # type: ignore[return-value]
 
 
 class Evo1Format(PublishedFormat):
@@ -58,7 +44,7 @@ class Evo1Format(PublishedFormat):
     def model_config(self, config: dict) -> ModelConfig:
         require(config, "hidden_size", "num_layers", "num_attention_heads", "vocab_size")
         d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        kinds = _pattern(config)
+        kinds = layers_by_index(config, KINDS)
         expect(config, "vocab_size", 512, "Evo 1's byte tokens: --model.vocabulary bytes")
         expect(config, "column_split_hyena", True, "the Hyena projection's rows per head", True)
         expect(config, "column_split", False, "Wqkv's rows as (3, heads, head_dim)", False)

@@ -30,27 +30,10 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig, d_ff, layer_kinds
-from megagenome.model.published import ImportRefused, PublishedFormat, expect, require
+from megagenome.model.published import ImportRefused, PublishedFormat, expect, layers_by_index, require
 
 KINDS = {"hcs_layer_idxs": "SE", "hcm_layer_idxs": "MR", "hcl_layer_idxs": "LI", "attn_layer_idxs": "A"}
 CONTEXT = 8192  # the context of a config without max_seqlen
-
-
-def _pattern(config: dict) -> list[str]:
-    """The operator of each layer, from the four index lists (every layer in exactly one)."""
-    n = int(config["num_layers"])
-    kinds: list[str | None] = [None] * n
-    for key, kind in KINDS.items():
-        for i in config.get(key) or []:
-            if not 0 <= int(i) < n:
-                raise ImportRefused(key, f"layer {i} is outside 0..{n - 1} (num_layers {n})")
-            if kinds[int(i)] is not None:
-                raise ImportRefused(key, f"layer {i} is also a {kinds[int(i)]} layer")
-            kinds[int(i)] = kind
-    missing = [i for i, k in enumerate(kinds) if k is None]
-    if missing:
-        raise ImportRefused("num_layers", f"layers {missing[:5]} are in none of {', '.join(KINDS)}")
-    return kinds  # type: ignore[return-value]
 
 
 def _groups(config: dict, key: str, d: int) -> int:
@@ -71,7 +54,7 @@ class Evo2Format(PublishedFormat):
     def model_config(self, config: dict) -> ModelConfig:
         require(config, "hidden_size", "num_layers", "num_attention_heads", "vocab_size")
         d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        kinds = _pattern(config)
+        kinds = layers_by_index(config, KINDS)
         expect(config, "vocab_size", 512, "Evo 2's byte tokens: --model.vocabulary bytes")
         expect(config, "interleave", True, "the projection rows interleaved per channel", True)
         expect(config, "column_split_hyena", False, "Evo 2's Hyena projections are not split by head", False)
