@@ -10,6 +10,7 @@ import torch
 from megagenome.config import ModelConfig, RootConfig, TrainConfig, layer_kinds, validate
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import family_of
+from megagenome.model.hyena import operators
 from megagenome.model.hyena.family import DNA_VOCAB_ROWS
 from megagenome.model.hyena.operators import ModalFilter, direct_conv, fft_conv
 from megagenome.model.layers import DenseLayers
@@ -259,3 +260,22 @@ def test_a_filter_computes_one_block_of_its_channels_as_the_whole_filter_does(ki
     want = torch.autograd.grad((whole[rows] * g).sum(), params)
     for a, b in zip(torch.autograd.grad((block * g).sum(), params), want):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family, pattern", [("hyena", ""), ("striped_hyena", "SE MR LI A")])
+def test_inference_in_channel_blocks_equals_the_whole_layer(family, pattern, monkeypatch):
+    """Without autograd an FFT layer convolves a block of channels at a time, each block's filter computed alone
+    (operators.py INFERENCE_BLOCK_ELEMENTS): blocks of 3 channels here (10 whole blocks and a partial one of 2 over
+    32), and the logits are those of the whole-layer path (autograd on) to float32 rounding."""
+    T = 40
+    monkeypatch.setattr(operators, "INFERENCE_BLOCK_ELEMENTS", 3 * 2 * T)
+    cfg = ModelConfig(family=family, layer_pattern=pattern or "LI", d_model=32, n_layer=4, n_head=4, max_seq_len=64,
+                      mr_filter_len=48, filter_width=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = family_of(cfg).build(cfg, VOCAB_SIZE).eval()
+    x = torch.randint(0, VOCAB_SIZE, (1, T), generator=torch.Generator().manual_seed(2))
+    with torch.enable_grad():
+        whole = model.logits(x).detach()
+    with torch.no_grad():
+        blocks = model.logits(x)
+    torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-6 * whole.abs().max().item())

@@ -359,3 +359,21 @@ def test_striped_1b_plan_on_h200_up_to_a_million_bases():
     floor = (25 * seq * d * 2 + 4 * seq * f * 2) / 2**30  # bf16 block inputs + one block's SwiGLU, micro batch 1
     assert min(r["memory_gib"]["activations"] for r in million["candidates"]) > floor > 0.9 * 141
     assert all(0 < r["step_s"] < math.inf for r in million["candidates"])
+
+
+def test_the_inference_estimate_is_the_larger_of_loading_and_the_forward():
+    """planner/inference.py over model/hyena/inference_memory.py (benchmarks/long_context_memory.py measures it): the
+    forward's parts add up, the FFT blocks keep a layer's transient memory from growing faster than the window, and a
+    family without an estimate is refused by name."""
+    from megagenome.planner.inference import inference_memory
+
+    cfg = ModelConfig(family="striped_hyena", d_model=256, n_head=2, n_layer=8, max_seq_len=131072,
+                      layer_pattern="SE MR LI A", vocabulary="bytes", norm_form="divide")  # fmt: skip
+    short, long = (inference_memory(cfg, seq, 1, "bf16", "fp32") for seq in (65536, 131072))
+    for e in (short, long):
+        assert e["forward"] == e["weights"] + e["tables"] + e["activations"]
+        assert e["peak"] == max(e["forward"], e["load"])
+    assert long["activations"] <= 2 * short["activations"]  # blocks: transients bounded, the rest linear in T
+    assert long["tables"] == 2 * 2 * 131072 * 128  # 2 attention layers x (cos, sin) of 128-wide heads, bf16
+    with pytest.raises(ValueError, match="--model.family=transformer"):
+        inference_memory(ModelConfig(), 1024)

@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 import yaml
 from support import vortex_cpu
-from support.helpers import cli_here
+from support.helpers import REPO, cli_here, run_config
 from support.import_checks import BYTES, byte_logits, first_step, import_into, relative, tokens
 
 from megagenome.after_training.inference import load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available")  # vortex's autocast("cuda") on a CPU
 RELATIVE_TOL = 1e-5
+DATA = REPO / "tests" / "data" / "evo2"  # Evo 2's published model configs (tests/data/README.md)
 CONFIG = dict(
     model_name="evo2-tiny", vocab_size=512, hidden_size=32, num_filters=32, num_layers=6,
     hcs_layer_idxs=[0, 4], hcm_layer_idxs=[1, 5], hcl_layer_idxs=[2], attn_layer_idxs=[3],
@@ -194,3 +195,24 @@ def test_pretraining_continues_from_the_import_with_vortex_loss(evo2, imported, 
     ce = F.cross_entropy(byte_logits(theirs, ids).flatten(0, 1), BYTES[labels].flatten())
     print(f"evo2 continued pretraining: first step's loss {loss:.6f}, vortex's on its batch {ce.item():.6f}")
     assert abs(loss - ce.item()) <= 1e-5 * ce.item(), (loss, ce.item())
+
+
+@pytest.mark.parametrize("size", ["1b", "7b"])
+def test_the_published_configs_map_to_the_shipped_ones(size):
+    """Evo 2's own YAMLs (tests/data/evo2, from the evo2 package) give configs/evo2_{size}.yaml's model section: the
+    same layers in the same order, widths, filters and options (the layer pattern compared as the layers it makes).
+    max_seq_len aside: the import takes vortex's max_seqlen (the longest sequence its inference allows, 32,768 for
+    the 7B base), the shipped config the 8,192 bases both were trained at; `--model.init_from` lets them differ."""
+    from dataclasses import asdict
+
+    from megagenome.config import layer_kinds
+    from megagenome.model import PUBLISHED
+
+    published = yaml.safe_load((DATA / f"evo2-{size}-8k.yml").read_text())
+    got = PUBLISHED["evo2"].model_config(published)
+    shipped, _ = run_config(["--config", str(REPO / "configs" / f"evo2_{size}.yaml")])
+    want = shipped.model
+    assert layer_kinds(got) == layer_kinds(want)
+    aside = ("layer_pattern", "max_seq_len")
+    differ = {k: (v, getattr(want, k)) for k, v in asdict(got).items() if k not in aside and v != getattr(want, k)}
+    assert differ == {}

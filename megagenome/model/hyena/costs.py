@@ -132,6 +132,13 @@ class HyenaShape(ParamTable):
         """An explicit filter's length (SE, MR); the implicit ones (H, LI) have as many taps as positions."""
         return self.se_filter_len if kind == "SE" else self.mr_filter_len
 
+    def inference_bytes(self, seq: int, batch: int, act_bytes: int, file_bytes: int, params: int, norm: str,
+                        activation: str) -> dict[str, int]:  # fmt: skip
+        """One forward's peak memory without autograd (inference_memory.py)."""
+        from megagenome.model.hyena.inference_memory import inference_bytes
+
+        return inference_bytes(self, seq, batch, act_bytes, file_bytes, params, norm, activation)
+
     def describe(self) -> str:
         """The shape as `megagenome plan` prints it."""
         counts = ", ".join(f"{self.kinds.count(k)} {k}" for k in ("H", "SE", "MR", "LI", "A") if k in self.kinds)

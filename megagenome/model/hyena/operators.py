@@ -52,6 +52,11 @@ FAST_DECAY, SLOW_DECAY = 0.3, 1.5
 # and the 3-tap featurizer are faster direct.
 DIRECT_MAX_TAPS = 32
 ALL = slice(None)  # every channel of a filter (a filter's rows argument)
+# Inference (no autograd) convolves by FFT a block of channels at a time, each block's filter computed for it alone:
+# a block's float32 values of 2T positions are at most this many (64 MiB), so the FFT's temporaries (the
+# transforms of u and h, their product, the inverse: ~4 such blocks) stay ~256 MiB whatever the window, where the
+# whole layer at once would hold 32 bytes per channel and position (4.3 GB at 1,024 channels x 131,072 bases).
+INFERENCE_BLOCK_ELEMENTS = 2**24
 
 
 def by_fft(cfg: ModelConfig, kind: str) -> bool:
@@ -290,6 +295,22 @@ class HyenaOperator(nn.Module):
             conv = self.exchange.channels_to_sequence(fft_conv(whole, h))  # (B, channels, T)
         return conv + u.float() * D.float()[:, None]
 
+    def _core_blocks(self, u: torch.Tensor, T: int) -> torch.Tensor:
+        """_core of a whole (not sequence-parallel) FFT layer without autograd: float32 (B, channels, T), a block of
+        channels at a time (INFERENCE_BLOCK_ELEMENTS), each block's filter computed for it alone (H's once: its MLP
+        makes every channel's at once), so that neither the whole filter (channels, T) nor the whole layer's
+        transforms are held. The same values as _core: every channel's convolution is its own."""
+        B, C = u.shape[:2]
+        out = torch.empty(B, C, T, dtype=torch.float32, device=u.device)
+        block = max(1, INFERENCE_BLOCK_ELEMENTS // (B * 2 * T))
+        whole = self.filter(T) if isinstance(self.filter, ImplicitFilter) else None  # (channels, T) or None
+        for i in range(0, C, block):
+            rows = slice(i, min(C, i + block))
+            part = u[:, rows]  # (B, block, T)
+            h = whole[rows] if whole is not None else self.filter(T, rows)  # (block, T or taps)
+            out[:, rows] = fft_conv(part, h).add_(part.float() * self.D[rows].float()[:, None])
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         z = self.in_proj(x)  # (B, T, 3 channels)
@@ -299,6 +320,10 @@ class HyenaOperator(nn.Module):
             z = z + self.short_bias.to(z.dtype)[:, None]
         x2, x1, v = z.view(B, -1, 3, self.head_size, T).unbind(2)  # 3 x (B, heads, head_size, T)
         x2, u = x2.reshape(B, -1, T), (x1 * v).reshape(B, -1, T)  # 2 x (B, channels, T)
+        if self.exchange is None and self.fft and not torch.is_grad_enabled():
+            y = self._core_blocks(u, T).to(x2.dtype) * x2  # (B, channels, T): inference, channels in blocks
+            out = self.out_proj(y.transpose(1, 2))  # (B, T, d)
+            return out if self.out_bias is None else out + self.out_bias.to(out.dtype)
         if self.exchange is None:
             h = self.filter(T)  # (channels, T or taps), float32
         elif self.fft:  # the FFT convolution runs on this rank's block of channels, over whole sequences
