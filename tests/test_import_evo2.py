@@ -19,14 +19,16 @@ the Wqkv rows in the runtime order) moves the logits by far more (test_a_wrong_m
 
 from __future__ import annotations
 
+import json
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
 from support import vortex_cpu
-from support.helpers import REPO, cli_here, run_config
+from support.helpers import REPO, cli_here, copy_genome, run_config
 from support.import_checks import BYTES, byte_logits, first_step, import_into, relative, tokens
 
 from megagenome.after_training.inference import load_model
@@ -216,3 +218,32 @@ def test_the_published_configs_map_to_the_shipped_ones(size):
     aside = ("layer_pattern", "max_seq_len")
     differ = {k: (v, getattr(want, k)) for k, v in asdict(got).items() if k not in aside and v != getattr(want, k)}
     assert differ == {}
+
+
+def test_eval_embed_and_score_variants_read_the_import(imported, tmp_path):
+    """The after-training commands read an import as any export: human mtDNA (tests/data) evaluated, embedded, and its
+    haplogroup H100 variants scored (a byte model's probabilities normalised over its 512 bytes: log_probs, checked
+    against vortex above)."""
+    fasta = copy_genome("chrM_rCRS_16569bp.fa", tmp_path / "genome")
+    vcf = tmp_path / "h100.vcf"  # its CHROM MT named as the FASTA's record
+    text = (REPO / "tests" / "data" / "mtDNA_H100_vs_rCRS.vcf").read_text()
+    vcf.write_text("\n".join(ln if ln.startswith("#") else "MT_human" + ln[2:] for ln in text.splitlines()) + "\n")
+    vcf = str(vcf)
+    out = tmp_path / "out"
+    out.mkdir()  # eval --output does not make its directory (issue 41's ground: after-training outputs)
+    runs = {
+        "eval": ["--fasta", fasta, "--regions", "MT_human:1-2048", "--window", "256", "--output",
+                 str(out / "eval.json")],
+        "embed": ["--fasta", fasta, "--regions", "MT_human:1-1024", "--window", "256", "--layers", "3", "-1",
+                  "--output", str(out / "emb.safetensors"), "--progress", "false"],
+        "score-variants": ["--fasta", fasta, "--vcf", vcf, "--window", "128", "--output", str(out / "scored.vcf"),
+                           "--progress", "false"],
+    }  # fmt: skip
+    for command, flags in runs.items():
+        proc = cli_here(command, imported, *flags)
+        assert proc.returncode == 0, (command, proc.stderr[-2000:])
+    result = json.loads((out / "eval.json").read_text())
+    assert result["overall"]["bases"] == 2047 and np.isfinite(result["overall"]["bits_per_base"])  # base 1: no context
+    rows = [line.split("\t") for line in (out / "scored.tsv").read_text().splitlines()[1:]]
+    scored = [r for r in rows if r[5] == "llr"]
+    assert len(scored) >= 13 and all(np.isfinite(float(r[6])) for r in scored)
