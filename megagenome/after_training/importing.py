@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import io
 import json
 import os
 import sys
@@ -126,8 +127,9 @@ def read_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:
                 from safetensors.torch import load_file
 
                 part = load_file(path)
-            else:
-                part = torch.load(path, map_location="cpu", weights_only=True)
+            else:  # weights only, and the BytesIO of Transformer Engine's fp8 state in Evo 2's checkpoints
+                with torch.serialization.safe_globals([io.BytesIO]):
+                    part = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # a truncated or foreign file: safetensors' and pickle's many errors
             raise ImportFailure(f"{path}: cannot read its weights: {' '.join(str(e).split())[:300]}") from e
         if isinstance(part, dict) and isinstance(part.get("state_dict"), dict):
