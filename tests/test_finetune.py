@@ -108,6 +108,18 @@ def test_lora_merged_equals_adapter(tuned):
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)
 
 
+def test_lora_fine_tunes_an_imported_evo2(tuned):
+    """LoRA through finetune from `megagenome import --format evo2` (support/finetune_checks.py): the run trains on
+    its published byte table and options, its adapters move, and it is evaluated on the test split."""
+    run = tuned / "lora_evo2_import"
+    record = task_weights.read_record(str(run))
+    assert record["pretrained"]["model"]["vocabulary"] == "bytes" and record["lora"]
+    state = module_shards(task_weights.read_task_run(str(run)).tag, json.loads((run / "ds_config.json").read_text()))[0]
+    lora_b = [v for k, v in state.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b)
+    assert summary(run)["test"]["accuracy"] is not None
+
+
 def test_export_of_a_finetuned_model(tuned, tmp_path):
     """`megagenome export` of the LoRA run: a pretrained model's export (loads with read_export and
     inference.load_model, a Llama config for transformers) plus the head; its task model predicts the run's

@@ -9,7 +9,8 @@ chr17:1-40,000 piece, each base labelled "repeat" where the FASTA is lower case)
 Scenarios (fp32 unless named; micro 4 x 2 ranks, 6 steps, evaluation every 3, head dropout 0, patience 0):
 zero0..zero3; accum (micro 2 x accumulation 2); zero3_split (stop_at 4, then resumed in the same directory); lora
 (ZeRO-2 + bf16, LoRA); early (lr 1e-9, evaluation every step, patience 2: stops at step 3); regression (ZeRO-1);
-per_base (ZeRO-3, LoRA).
+per_base (ZeRO-3, LoRA); lora_evo2_import (ZeRO-2 + bf16, LoRA, from `megagenome import --format evo2` of an Evo
+2-form striped_hyena model written in vortex's layout here: the published token table and options).
 """
 
 from __future__ import annotations
@@ -126,7 +127,41 @@ def scenarios(root: pathlib.Path, pretrained: str, paths: dict) -> list[tuple[st
     out.append(("early", config(root, "early", pretrained, species, ["zero0"], train=early)))
     out.append(("regression", config(root, "regression", pretrained, gc, ["zero1"])))
     out.append(("per_base", config(root, "per_base", pretrained, per_base, ["zero3"], model={"lora": True})))
+    imported = {"lora": True}
+    out.append(("lora_evo2_import", config(root, "lora_evo2_import", paths["evo2_import"], species, ["zero2", "bf16"],
+                                           model=imported)))  # fmt: skip
     return out
+
+
+def evo2_import(root: pathlib.Path) -> str:
+    """An import (rank 0 writes it) of a small Evo 2-form model in vortex's layout: what `megagenome import --format
+    evo2` reads (tests/test_import_evo2.py checks the layout against vortex itself)."""
+    import torch
+    import yaml
+
+    from megagenome.after_training.importing import import_checkpoint
+    from megagenome.config import ModelConfig
+    from megagenome.model import PUBLISHED, family_of
+
+    out = root / "evo2_import"
+    if dist.get_rank() == 0:
+        evo2_form = dict(vocabulary="bytes", norm_form="divide", mlp_activation="gelu_first", mr_decay=False,
+                         biases=["mixer_out", "attention_out"])  # fmt: skip
+        cfg = ModelConfig(family="striped_hyena", layer_pattern="SE MR LI A", n_layer=4, d_model=32, n_head=2,
+                          mr_filter_len=16, max_seq_len=128, **evo2_form)  # fmt: skip
+        torch.manual_seed(0)
+        state = family_of(cfg).build(cfg, 8).state_dict()
+        state["blocks.0.mixer.D"].zero_()  # Evo 2's SE layers (block 0 here) have no D term,
+        state["blocks.2.mixer.filter.theta"].zero_()  # and its LI layers (block 2) real poles
+        state["blocks.2.mixer.filter.residues"][..., 1].zero_()
+        config, weights = PUBLISHED["evo2"].to_theirs(state, cfg)
+        published = root / "evo2_published"
+        published.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, published / "model.pt")
+        (published / "config.yml").write_text(yaml.safe_dump(config))
+        import_checkpoint(str(published / "model.pt"), "evo2", str(out), str(published / "config.yml"))
+    dist.barrier()
+    return str(out)
 
 
 def finetune_two_ranks(run_dir: str, runs: dict, fasta: str) -> None:
@@ -139,5 +174,6 @@ def finetune_two_ranks(run_dir: str, runs: dict, fasta: str) -> None:
     dist.barrier()
     paths = build_data(root / "data", fasta)
     paths["phix"] = fasta
+    paths["evo2_import"] = evo2_import(root / "data")
     for _, cfg in scenarios(root, runs["dense"], paths):
         finetune.run(finetune_config_from_dict(cfg), [], keep_process_group=True)
