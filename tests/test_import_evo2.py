@@ -119,6 +119,9 @@ def test_import_gives_vortex_logits_and_loss(evo2, imported):
     theirs = evo2[2]
     model = load_model(imported).model.eval()
     cfg = model.cfg
+    # No Hugging Face form: its remote code computes megagenome's norm and MLP, not Evo 2's (export --format evo2).
+    assert not json.loads(open(os.path.join(imported, "megagenome.json")).read())["huggingface"]
+    assert not os.path.exists(os.path.join(imported, "config.json"))
     assert (cfg.layer_pattern, cfg.vocabulary, cfg.norm_form, cfg.mlp_activation) == (
         "SE MR LI A SE MR", "bytes", "divide", "gelu_first")  # fmt: skip
     ids = tokens(T=150)

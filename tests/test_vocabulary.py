@@ -127,5 +127,10 @@ def test_caduceus_stays_equivariant_over_a_published_table(mode):
 def test_refusals():
     mlm_bytes = RootConfig(model=replace(FAMILIES["gpn"], vocabulary="bytes"))
     assert any("--model.vocabulary bytes" in p for p in validate(mlm_bytes))
+    # An imported form's options where the family's blocks do not implement them (config/shapes.py).
+    gpn_divide = RootConfig(model=replace(FAMILIES["gpn"], norm_form="divide", biases=["qkv"]))
+    assert sum("only for --model.family" in p for p in validate(gpn_divide)) == 2
+    no_decay = RootConfig(model=replace(FAMILIES["transformer"], mr_decay=False))
+    assert any("--model.mr_decay=False: only for --model.family striped_hyena" in p for p in validate(no_decay))
     with pytest.raises(ValueError, match="--model.vocabulary='klingon'"):
         family_of(FAMILIES["transformer"]).build(replace(FAMILIES["transformer"], vocabulary="klingon"), 8)

@@ -28,13 +28,14 @@ CAUSAL_LM = "AutoModelForCausalLM"  # the Auto class of a form that names none
 
 def token_rows(cfg: ModelConfig) -> dict[str, int]:
     """{megagenome token: the row the Hugging Face model reads it at}: its id, or its row of the published token table
-    of --model.vocabulary (model/vocabulary.py; a token sharing an earlier token's row is left out, so that the
-    tokenizer decodes each row one way)."""
+    of --model.vocabulary (model/vocabulary.py; a token sharing a row with another is left out, the bases kept
+    before the special tokens, so that the tokenizer decodes each row one way and N stays its unknown token)."""
     vocabulary = vocabulary_of(cfg)
     if vocabulary.own:
         return {t: i for i, t in enumerate(VOCAB)}
     rows: dict[str, int] = {}
-    for token, row in zip(VOCAB, vocabulary.ids, strict=True):
+    bases_first = sorted(zip(VOCAB, vocabulary.ids, strict=True), key=lambda pair: pair[0] in SPECIAL)
+    for token, row in bases_first:
         if row not in rows.values():
             rows[token] = row
     return rows

@@ -39,7 +39,7 @@ def d_ff(model: ModelConfig) -> int:
 def hyena_problems(m: ModelConfig) -> list[str]:
     """The Hyena families' own keys (model/hyena/): lengths positive, the layer pattern made of known operators."""
     if m.family == "transformer":
-        return []
+        return published_form_problems(m)
     if m.family in BIDIRECTIONAL:
         return bidirectional_problems(m)
     lengths = ("short_filter_len", "se_filter_len", "mr_filter_len", "state_size", "filter_width")
@@ -62,7 +62,7 @@ def hyena_problems(m: ModelConfig) -> list[str]:
             f"--model.compile with --model.family={m.family}: the Hyena FFT convolutions work on complex spectra, "
             "which inductor does not compile as one graph; drop --model.compile"
         )
-    return problems
+    return problems + published_form_problems(m)
 
 
 def bidirectional_problems(m: ModelConfig) -> list[str]:
@@ -83,4 +83,27 @@ def bidirectional_problems(m: ModelConfig) -> list[str]:
         )
     if m.compile:
         problems.append(f"--model.compile with --model.family={m.family}: only transformer blocks are compiled")
+    return problems + published_form_problems(m)
+
+
+# The options a published model's import sets (model/hyena/evo2.py, evo1.py), with their defaults: the transformer
+# and Hyena blocks implement them; the bidirectional families' blocks have their own norms and no gated MLP.
+PUBLISHED_FORM = {"norm_form": "rsqrt", "mlp_activation": "silu", "biases": [], "mr_decay": True}
+
+
+def standard_form(m: ModelConfig) -> bool:
+    """Whether every option of PUBLISHED_FORM has its default: what the Hugging Face forms' code computes (a model
+    with an imported form's options is written back in its authors' layout instead: export --format)."""
+    return all(getattr(m, key) == default for key, default in PUBLISHED_FORM.items())
+
+
+def published_form_problems(m: ModelConfig) -> list[str]:
+    """--model.norm_form, mlp_activation and biases are the transformer's and the Hyena families' (mr_decay
+    striped_hyena's): set on another family they would do nothing, which is refused."""
+    problems = []
+    for key, default in PUBLISHED_FORM.items():
+        value = getattr(m, key)
+        families = ("striped_hyena",) if key == "mr_decay" else ("transformer", "hyena", "striped_hyena")
+        if value != default and m.family not in families:
+            problems.append(f"--model.{key}={value}: only for --model.family {' or '.join(families)} (not {m.family})")
     return problems

@@ -12,6 +12,7 @@ the linears of the blocks; the cost model is costs.py's.
 from __future__ import annotations
 
 from megagenome.config import ModelConfig, d_ff, layer_kinds
+from megagenome.config.shapes import standard_form
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
 from megagenome.model.hyena.model import HyenaLM
 from megagenome.model.hyena.operators import by_fft
@@ -123,10 +124,12 @@ class HyenaFamily(ModelFamily):
 
     def huggingface(self, cfg: ModelConfig):
         """The export's Hugging Face form: megagenome's weight names and remote code of its own (hf.py), since
-        transformers has no architecture that computes this model."""
+        transformers has no architecture that computes this model. None for a model with an imported form's norm,
+        MLP, biases or MR taps (config/shapes.py standard_form), which that code does not compute: such a model goes
+        back to its authors' layout (export --format)."""
         from megagenome.model.hyena.hf import HyenaForm
 
-        return HyenaForm(cfg)
+        return HyenaForm(cfg) if standard_form(cfg) else None
 
     def describe(self, cfg: ModelConfig) -> str:
         kinds = layer_kinds(cfg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig, d_ff
+from megagenome.config.shapes import standard_form
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer import flops
@@ -104,8 +105,9 @@ class TransformerFamily(ModelFamily):
         return name.startswith("blocks.")
 
     def huggingface(self, cfg: ModelConfig) -> LlamaForm | None:
-        """A causal transformer is a LlamaForCausalLM; a masked one has no Hugging Face form here."""
-        return LlamaForm(cfg) if cfg.objective == "clm" else None
+        """A causal transformer is a LlamaForCausalLM; a masked one, or one with a published model's norm, MLP or
+        biases (config/shapes.py standard_form), which Llama does not compute, has no Hugging Face form here."""
+        return LlamaForm(cfg) if cfg.objective == "clm" and standard_form(cfg) else None
 
     def describe(self, cfg: ModelConfig) -> str:
         return f"d_model {cfg.d_model}, {cfg.n_layer} blocks, {cfg.n_head} heads, context {cfg.max_seq_len}"
