@@ -52,6 +52,33 @@ class PublishedFormat(ABC):
     def to_theirs(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]: ...
 
 
+class Weights:
+    """A checkpoint's tensors being mapped: take(name) hands one over (in float32) and marks it used, skip(name)
+    marks one used without a place in the model (a buffer ours recomputes), leftover() refuses what was never used
+    (a part of their model megagenome would silently drop)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], ignore: tuple[str, ...] = ()):
+        self.weights = {k: v for k, v in weights.items() if not k.endswith(ignore)} if ignore else dict(weights)
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ImportRefused(name, "missing from the checkpoint's weights")
+        self.used.add(name)
+        return self.weights[name].float()
+
+    def skip(self, *names: str) -> None:
+        self.used.update(n for n in names if n in self.weights)
+
+    def leftover(self) -> None:
+        left = sorted(set(self.weights) - self.used)
+        if left:
+            raise ImportRefused(left[0], f"a weight megagenome's model has no place for ({len(left)} such)")
+
+
 def expect(config: dict, key: str, allowed, reason: str, default=None) -> None:
     """Refuse config[key] (default when absent) unless it is `allowed` (a value, or a tuple of values)."""
     value = config.get(key, default)
@@ -68,15 +95,12 @@ def require(config: dict, *keys: str) -> None:
 
 
 def take_all(weights: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """{our name: weights[their name]} for names = {our name: their name}; refuses a missing tensor or one left
-    over (a part of their model megagenome would silently drop)."""
-    missing = [theirs for theirs in names.values() if theirs not in weights]
-    if missing:
-        raise ImportRefused(missing[0], f"missing from the checkpoint's weights ({len(missing)} missing)")
-    extra = sorted(set(weights) - set(names.values()))
-    if extra:
-        raise ImportRefused(extra[0], f"a weight megagenome's model has no place for ({len(extra)} such)")
-    return {ours: weights[theirs] for ours, theirs in names.items()}
+    """{our name: weights[their name]} (float32) for names = {our name: their name}; refuses a missing tensor or one
+    left over (Weights)."""
+    w = Weights(weights)
+    out = {ours: w.take(theirs) for ours, theirs in names.items()}
+    w.leftover()
+    return out
 
 
 def layers_by_index(config: dict, kinds: dict[str, str]) -> list[str]:

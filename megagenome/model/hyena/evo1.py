@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig, d_ff, layer_kinds
-from megagenome.model.published import ImportRefused, PublishedFormat, expect, layers_by_index, require
+from megagenome.model.hyena.striped_layout import block_names, shape_of
+from megagenome.model.published import ImportRefused, PublishedFormat, Weights, expect, layers_by_index
 from megagenome.model.stack import padded_vocab_size
 
 KINDS = {"hyena_layer_idxs": "LI", "attn_layer_idxs": "A"}
@@ -42,23 +43,13 @@ class Evo1Format(PublishedFormat):
     oracle = "stripedhyena (pip stripedhyena): stripedhyena.model.StripedHyena"
 
     def model_config(self, config: dict) -> ModelConfig:
-        require(config, "hidden_size", "num_layers", "num_attention_heads", "vocab_size")
-        d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        d, heads, factor = shape_of(config, "Evo 1")
         kinds = layers_by_index(config, KINDS)
-        expect(config, "vocab_size", 512, "Evo 1's byte tokens: --model.vocabulary bytes")
         expect(config, "column_split_hyena", True, "the Hyena projection's rows per head", True)
         expect(config, "column_split", False, "Wqkv's rows as (3, heads, head_dim)", False)
-        expect(config, "proj_groups", 1, "grouped-query attention is not implemented", 1)
-        expect(config, "tie_embeddings", True, "the head is the embedding", True)
-        expect(config, "final_norm", True, "a final norm before the head", True)
-        expect(config, "num_filters", d, "one filter channel per hidden channel", d)
         expect(config, "mlp_activation", ("gelu", "silu"), "the MLP's gate", "silu")
         expect(config, "use_flash_rmsnorm", False, "flash-attn's RMSNorm computes x * rsqrt(mean + eps)", False)
-        if d % heads:
-            raise ImportRefused("num_attention_heads", f"{heads} does not divide hidden_size {d}")
         expect(config, "hyena_filter_groups", 1, "one Hyena-LI filter per channel, as Evo 1's", 1)
-        scaling = bool(config.get("use_interpolated_rotary_pos_emb", False))
-        factor = float(config.get("rotary_emb_scaling_factor", 1.0)) if scaling else 1.0
         flags = (("mixer_in", None), ("short_filter", "short_filter_bias"), ("mixer_out", None),
                  ("qkv", "qkv_proj_bias"), ("attention_out", "mha_out_proj_bias"))  # fmt: skip
         biases = [b for b, key in flags if key is None or config.get(key, True)]
@@ -87,18 +78,11 @@ class Evo1Format(PublishedFormat):
         )
 
     def to_ours(self, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        weights = {k.removeprefix(PREFIX): v for k, v in weights.items()}
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ImportRefused(name, "missing from the checkpoint's weights")
-            used.add(name)
-            return weights[name].float()
-
+        w = Weights({k.removeprefix(PREFIX): v for k, v in weights.items()})
+        take = w.take
         d, hs = cfg.d_model, cfg.d_model // cfg.n_head
         embed = take("embedding_layer.weight")
-        if "unembed.weight" in weights and not torch.equal(take("unembed.weight").float(), embed):
+        if "unembed.weight" in w and not torch.equal(take("unembed.weight"), embed):
             raise ImportRefused("unembed.weight", "differs from the embedding: an untied head is not supported")
         rows = padded_vocab_size(512)
         embed = torch.cat([embed, embed.new_zeros(rows - embed.size(0), d)])
@@ -106,11 +90,7 @@ class Evo1Format(PublishedFormat):
         biases = set(cfg.biases)
         for i, kind in enumerate(layer_kinds(cfg)):
             b = f"blocks.{i}."
-            norms = ("attn_norm", "mlp_norm") if kind == "A" else ("mixer_norm", "mlp_norm")
-            state[b + norms[0] + ".weight"] = take(b + "pre_norm.scale")
-            state[b + norms[1] + ".weight"] = take(b + "post_norm.scale")
-            for mine, lin in (("w_gate", "l1"), ("w_up", "l2"), ("w_down", "l3")):
-                state[f"{b}mlp.{mine}.weight"] = take(f"{b}mlp.{lin}.weight")
+            state |= {mine: take(name) for mine, name in block_names(i, kind).items()}
             if kind == "A":
                 mha = b + "inner_mha_cls."
                 qkv = take(mha + "Wqkv.weight")  # rows (3, n_head, head_dim) -> ours (n_head, 3, head_dim)
@@ -122,7 +102,7 @@ class Evo1Format(PublishedFormat):
                 state[b + "attn.proj.weight"] = take(mha + "out_proj.weight")
                 if "attention_out" in biases:
                     state[b + "attn.proj_bias"] = take(mha + "out_proj.bias")
-                used.update(k for k in weights if k.startswith(mha + "rotary_emb."))  # buffers, ours from the config
+                w.skip(*(k for k in w.weights if k.startswith(mha + "rotary_emb.")))  # buffers, ours from the config
                 continue
             m = b + "mixer."
             state[m + "in_proj.weight"] = take(b + "projections.weight")
@@ -142,10 +122,8 @@ class Evo1Format(PublishedFormat):
             state[m + "filter.log_rate"] = torch.log(-torch.log(magnitude))
             state[m + "filter.theta"] = poles.angle()
             state[m + "filter.residues"] = residues
-            used.update(k for k in weights if k.startswith(b + "filter.t"))  # a position buffer
-        left = sorted(set(weights) - used)
-        if left:
-            raise ImportRefused(left[0], f"a weight megagenome's model has no place for ({len(left)} such)")
+            w.skip(*(k for k in w.weights if k.startswith(b + "filter.t")))  # a position buffer
+        w.leftover()
         return state
 
     def to_theirs(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -164,11 +142,7 @@ class Evo1Format(PublishedFormat):
         out = {"embedding_layer.weight": embed, "unembed.weight": embed.clone(), "norm.scale": state["norm.weight"]}
         for i, kind in enumerate(kinds):
             b = f"blocks.{i}."
-            norms = ("attn_norm", "mlp_norm") if kind == "A" else ("mixer_norm", "mlp_norm")
-            out[b + "pre_norm.scale"] = state[b + norms[0] + ".weight"]
-            out[b + "post_norm.scale"] = state[b + norms[1] + ".weight"]
-            for mine, lin in (("w_gate", "l1"), ("w_up", "l2"), ("w_down", "l3")):
-                out[f"{b}mlp.{lin}.weight"] = state[f"{b}mlp.{mine}.weight"]
+            out |= {name: state[mine] for mine, name in block_names(i, kind).items()}
             if kind == "A":
                 mha = b + "inner_mha_cls."
                 out[mha + "Wqkv.weight"] = state[b + "attn.qkv.weight"].view(cfg.n_head, 3, hs, d).transpose(0, 1)

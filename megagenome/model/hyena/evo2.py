@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig, d_ff, layer_kinds
-from megagenome.model.published import ImportRefused, PublishedFormat, expect, layers_by_index, require
+from megagenome.model.hyena.striped_layout import block_names, shape_of
+from megagenome.model.published import ImportRefused, PublishedFormat, Weights, expect, layers_by_index
 
 KINDS = {"hcs_layer_idxs": "SE", "hcm_layer_idxs": "MR", "hcl_layer_idxs": "LI", "attn_layer_idxs": "A"}
 CONTEXT = 8192  # the context of a config without max_seqlen
@@ -52,22 +53,14 @@ class Evo2Format(PublishedFormat):
     config_file = "config.yml"
 
     def model_config(self, config: dict) -> ModelConfig:
-        require(config, "hidden_size", "num_layers", "num_attention_heads", "vocab_size")
-        d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        d, heads, factor = shape_of(config, "Evo 2")
         kinds = layers_by_index(config, KINDS)
-        expect(config, "vocab_size", 512, "Evo 2's byte tokens: --model.vocabulary bytes")
         expect(config, "interleave", True, "the projection rows interleaved per channel", True)
         expect(config, "column_split_hyena", False, "Evo 2's Hyena projections are not split by head", False)
         expect(config, "hyena_flip_x1x2", False, "x1 and v in their usual order", False)
         expect(config, "short_filter_bias", False, "the short filter has no bias in megagenome", False)
         expect(config, "qkv_proj_bias", False, "Wqkv has no bias in megagenome", False)
-        expect(config, "proj_groups", 1, "one projection group", 1)
-        expect(config, "tie_embeddings", True, "the head is the embedding", True)
-        expect(config, "final_norm", True, "a final norm before the head", True)
-        expect(config, "num_filters", d, "one filter channel per hidden channel", d)
         expect(config, "mlp_activation", ("gelu", "silu"), "the MLP's gate", "gelu")
-        if d % heads:
-            raise ImportRefused("num_attention_heads", f"{heads} does not divide hidden_size {d}")
         for key in ("hcs_filter_groups", "hcm_filter_groups"):
             _groups(config, key, d)
         activation = config.get("mlp_activation", "gelu")
@@ -75,8 +68,6 @@ class Evo2Format(PublishedFormat):
             if activation != "gelu":
                 raise ImportRefused("mlp_activation", f"{activation!r} with evo2_style_activations (GELU expected)")
             activation = "gelu_first"
-        scaling = bool(config.get("use_interpolated_rotary_pos_emb", False))
-        factor = float(config.get("rotary_emb_scaling_factor", 1.0)) if scaling else 1.0
         biases = [b for b, key in (("mixer_out", "hyena_out_proj_bias"), ("attention_out", "mha_out_proj_bias"))
                   if config.get(key, True)]  # fmt: skip
         return ModelConfig(
@@ -105,31 +96,21 @@ class Evo2Format(PublishedFormat):
         )
 
     def to_ours(self, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ImportRefused(name, "missing from the checkpoint's weights")
-            used.add(name)
-            return weights[name].float()
-
+        w = Weights(weights, ignore=("_extra_state",))  # Transformer Engine's fp8 state: no weight of its own
+        take = w.take
         d, hs = cfg.d_model, cfg.d_model // cfg.n_head
         embed = take("embedding_layer.weight")
         state = {"embed.weight": embed, "lm_head.weight": embed, "norm.weight": take("norm.scale")}
         for i, kind in enumerate(layer_kinds(cfg)):
             theirs, ours = f"blocks.{i}.", f"blocks.{i}."
-            norms = ("attn_norm", "mlp_norm") if kind == "A" else ("mixer_norm", "mlp_norm")
-            state[ours + norms[0] + ".weight"] = take(theirs + "pre_norm.scale")
-            state[ours + norms[1] + ".weight"] = take(theirs + "post_norm.scale")
-            for mine, lin in (("w_gate", "l1"), ("w_up", "l2"), ("w_down", "l3")):
-                state[f"{ours}mlp.{mine}.weight"] = take(f"{theirs}mlp.{lin}.weight")
+            state |= {mine: take(name) for mine, name in block_names(i, kind).items()}
             if kind == "A":
                 mha = theirs + "inner_mha_cls."
                 state[ours + "attn.qkv.weight"] = take(mha + "Wqkv.weight")  # (n_head, 3, head_dim) rows: ours
                 state[ours + "attn.proj.weight"] = take(mha + "out_proj.weight")
                 if "attention_out" in cfg.biases:
                     state[ours + "attn.proj_bias"] = take(mha + "out_proj.bias")
-                used.add(mha + "rotary_emb.inv_freq")  # a buffer vortex saves; ours is computed from rope_theta
+                w.skip(mha + "rotary_emb.inv_freq")  # a buffer vortex saves; ours is computed from rope_theta
                 continue
             m = ours + "mixer."
             state[m + "in_proj.weight"] = _rows_to_heads(take(theirs + "projections.weight"), cfg.n_head, hs)
@@ -155,9 +136,7 @@ class Evo2Format(PublishedFormat):
                 h = h.flip(-1) if kind == "SE" else h  # SE by conv1d (a correlation), MR by FFT (a convolution)
                 state[m + "filter.h"] = h.repeat_interleave(d // h.size(0), 0)  # (d, taps)
                 state[m + "D"] = take(theirs + "filter.D") if kind == "MR" else torch.zeros(d)
-        left = sorted(k for k in set(weights) - used if not k.endswith("_extra_state"))  # TE's fp8 state: no weights
-        if left:
-            raise ImportRefused(left[0], f"a weight megagenome's model has no place for ({len(left)} such)")
+        w.leftover()
         return state
 
     def to_theirs(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -172,11 +151,7 @@ class Evo2Format(PublishedFormat):
         groups = {"SE": d, "MR": d}
         for i, kind in enumerate(kinds):
             ours, theirs = f"blocks.{i}.", f"blocks.{i}."
-            norms = ("attn_norm", "mlp_norm") if kind == "A" else ("mixer_norm", "mlp_norm")
-            out[theirs + "pre_norm.scale"] = state[ours + norms[0] + ".weight"]
-            out[theirs + "post_norm.scale"] = state[ours + norms[1] + ".weight"]
-            for mine, lin in (("w_gate", "l1"), ("w_up", "l2"), ("w_down", "l3")):
-                out[f"{theirs}mlp.{lin}.weight"] = state[f"{ours}mlp.{mine}.weight"]
+            out |= {name: state[mine] for mine, name in block_names(i, kind).items()}
             if kind == "A":
                 mha = theirs + "inner_mha_cls."
                 out[mha + "Wqkv.weight"] = state[ours + "attn.qkv.weight"]
