@@ -11,7 +11,8 @@ kernel and the peak RSS (VmHWM) is the peak of what was live. Beside it:
 
 - the import baseline: the RSS of a process that has imported what `megagenome embed` imports (python, torch,
   megagenome), measured the same way; what the model and its window add is the peak minus it;
-- the planner's estimate of that addition (model/hyena/inference_memory.py through planner/inference.py): the
+- the planner's estimate of that addition (model/hyena/inference_memory.py through planner/inference.py and
+  planner/plan.py inference_memory_of): the
   larger of loading (the file's tensors, the float32 model they are loaded into, the float32 copies loaded) and the
   forward (the bf16 weights and rotary tables, the largest layer's live tensors, the FFT blocks).
 
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=pathlib.Path, default=None, help="Scratch directory (default: a temporary one).")
     ap.add_argument("--results", type=pathlib.Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(harness.argv_of(argv))
-    from megagenome.planner.inference import inference_memory
+    from megagenome.planner.plan import inference_memory_of
 
     cfg = model_config(args.d_model, max(args.lengths))
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="long_context_memory-"))
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     rows = []
     for length in args.lengths:
         peak, wall = embed_peak(export, fasta, length, work)
-        estimate = inference_memory(cfg, length, batch=1, dtype="bf16", file_dtype="bf16")
+        estimate = inference_memory_of(cfg, length, batch=1, dtype="bf16", file_dtype="bf16")
         rows.append({"length": length, "peak_rss": peak, "baseline_rss": base, "added": peak - base,
                      "estimate": estimate, "ratio": (peak - base) / estimate["peak"], "wall_s": wall})  # fmt: skip
         print(

@@ -67,6 +67,7 @@ SEAMS = {
         "after_training/weights",
         "after_training/embedding",
         "after_training/task_weights",
+        "after_training/importing",  # reads published checkpoints (megagenome import)
     },
     "peft": {"model/lora"},  # LoRA adapters of `finetune`
     "sklearn": {"observe/task_metrics", "after_training/supervised_vep"},

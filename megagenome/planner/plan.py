@@ -25,6 +25,7 @@ from megagenome.observe.metrics import peak_tflops
 from megagenome.parallel.layout import LayoutError, ParallelLayout
 from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
 from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
+from megagenome.planner.inference import inference_memory
 from megagenome.planner.states import DTYPE_BYTES, STATES, Precision, bytes_per_parameter
 from megagenome.planner.timing import Cluster
 from megagenome.train import optimizers
@@ -411,3 +412,11 @@ def run(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, gr
     else:
         sys.stdout.write(render(plan))
     return 0
+
+
+def inference_memory_of(m, seq: int, batch: int = 1, dtype: str = "bf16", file_dtype: str = "fp32") -> dict[str, int]:
+    """planner/inference.py's estimate for the ModelConfig m: its family's cost model and parameter count."""
+    family = family_of(m)
+    params = family.parameter_counts(m, VOCAB_SIZE)[0]
+    shape = family.costs(m, VOCAB_SIZE)
+    return inference_memory(shape, params, seq, batch, dtype, file_dtype, m.norm_form, m.mlp_activation, m.family)
