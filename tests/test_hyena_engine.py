@@ -225,14 +225,15 @@ def each(seam: str, skip_first: bool = False) -> list[tuple[str, str]]:
 def test_tensor_parallel_model_equals_dense_gradient_by_gradient(workers):
     for rank, result in enumerate(workers.two.checks()):
         cases = {k: v for k, v in result.items() if not k.startswith("control/")}
-        assert len(cases) == 6  # hyena, striped_hyena and an imported Evo 2's form, each without and with selective
+        assert len(cases) == 8  # hyena, striped_hyena, an imported Evo 2's and HyenaDNA's forms, without and selective
         for case, d in cases.items():
             print(f"rank {rank} {case}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items() if k != "local_params"))
             assert d["initial_weights"] == 0.0 and d["weight"] == 0.0, (case, d)  # the shards are the dense slices
             assert d["loss"] <= 1e-6 and d["nll"] <= 3e-7 * d["nll_scale"], (case, d)
             assert max(d["sharded"], d["replicated"]) <= GRAD_ATOL, (case, d)
             assert d["filter_mlp"] <= FILTER_MLP_RTOL * d["filter_mlp_scale"], (case, d)
-            assert (d["filter_mlp_scale"] > 0) == case.startswith("hyena/"), (case, d)  # H layers have the MLP
+            has_mlp = case.startswith(("hyena/", "hyenadna_form/"))
+            assert (d["filter_mlp_scale"] > 0) == has_mlp, (case, d)  # H layers have the MLP
             assert d["local_params"] < 0.6 * d["dense_params"], (case, d)
         control = result["control/filter_mlp_without_all_reduce"]
         print(f"rank {rank}: filter MLP gradient without the all-reduce off by {control:.3g} (relative)")

@@ -24,7 +24,7 @@ import pytest
 import torch
 from gpn.model import GPNConfig, GPNForMaskedLM
 from support.helpers import cli_here
-from support.import_checks import first_step
+from support.import_checks import first_step, relative, unit_gain_
 
 from megagenome.after_training.inference import load_model
 from megagenome.data import tokenizer
@@ -32,17 +32,6 @@ from megagenome.model.vocabulary import VOCABULARIES
 
 RELATIVE_TOL = 1e-5
 GPN_IDS = torch.tensor(VOCABULARIES["gpn"].ids)  # GPN's id of each megagenome token
-
-
-def unit_gain_(model: torch.nn.Module, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
-            else:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +63,6 @@ def batch(B: int = 2, T: int = 40, seed: int = 5):
     labels[:, ::4] = ids[:, ::4]
     ids[:, ::4] = tokenizer.MASK_ID
     return ids, labels, (labels >= 0).float()
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_gpn_import_gives_gpns_logits_and_loss(gpn_checkpoint, imported):

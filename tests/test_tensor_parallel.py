@@ -167,7 +167,7 @@ def test_layers_equal_their_dense_counterparts(two_ranks):
 def test_model_loss_and_gradients_equal_dense(two_ranks):
     for rank, result in enumerate(two_ranks.checks()):
         cases = {k: v for k, v in result.items() if k.startswith("model/")}
-        assert len(cases) == 8
+        assert len(cases) == 9  # 8 standard, 1 Llama-shaped (grouped-query attention, biases, llama3 rotary)
         for case, d in cases.items():
             assert d["initial_weights"] == 0.0, (rank, case, d)  # the factory's shard is the dense slice, exactly
             assert d["loss"] <= 1e-6 and d["nll"] <= 3e-7 * d["nll_scale"] and d["weight"] == 0.0, (rank, case, d)

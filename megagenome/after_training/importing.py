@@ -29,6 +29,7 @@ import torch
 
 from megagenome.after_training.export import ExportError, staged_export
 from megagenome.after_training.weights import DTYPES
+from megagenome.config.checks import model_problems
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import PUBLISHED, family_of
 from megagenome.model.published import ImportRefused
@@ -65,10 +66,17 @@ def import_checkpoint(source: str, fmt: str, output: str, config_path: str | Non
         raise ExportError(f"--output {output} already exists: nothing was written (choose a new directory)")
     published = PUBLISHED[fmt]
     config, config_file = read_config(source, config_path)
+    vocab, tokenizer_file = read_tokenizer(source) if published.tokenizer else (None, None)
     try:
-        model_cfg = published.model_config(config)
+        model_cfg = published.model_config(config, vocab)
     except ImportRefused as e:
-        raise ImportFailure(f"{config_file}: {e} (--format {fmt})") from e
+        where = tokenizer_file if e.key == "tokenizer" and tokenizer_file else config_file
+        raise ImportFailure(f"{where}: {e} (--format {fmt})") from e
+    problems = model_problems(model_cfg)
+    if problems:
+        raise ImportFailure(
+            f"{config_file}: maps to a model megagenome refuses (--format {fmt}): {'; '.join(problems)}"
+        )
     weights, weights_file = read_weights(source)
     try:
         state = published.to_ours(weights, model_cfg)
@@ -104,17 +112,55 @@ def read_config(source: str, config_path: str | None) -> tuple[dict, str]:
     return config, path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+
+
+def read_tokenizer(source: str) -> tuple[dict[str, int] | None, str | None]:
+    """({token: row}, its file) of the checkpoint directory's tokenizer: tokenizer.json (the `tokenizers` library's:
+    its model's vocabulary and added tokens), vocab.json ({token: id}) or vocab.txt (a token per line); (None, None)
+    when it has none (the format refuses that, naming what it needs)."""
+    folder = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as fh:
+                if name == "vocab.txt":
+                    return {line.rstrip("\n"): i for i, line in enumerate(fh)}, path
+                data = json.load(fh)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ImportFailure(f"{path}: not a readable tokenizer: {' '.join(str(e).split())[:200]}") from e
+        if name == "vocab.json":
+            return {str(k): int(v) for k, v in data.items()}, path
+        vocab = (data.get("model") or {}).get("vocab") or {}
+        if isinstance(vocab, list):  # Unigram: [token, score] by row
+            vocab = {entry[0]: i for i, entry in enumerate(vocab)}
+        vocab = {str(k): int(v) for k, v in vocab.items()}
+        vocab |= {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
+        return vocab, path
+    return None, None
+
+
 def weight_files(source: str) -> list[str]:
     """The weights files of SOURCE: the file itself, or a directory's safetensors (all shards) or pytorch_model.bin."""
     if os.path.isfile(source):
         return [source]
     if not os.path.isdir(source):
         raise ImportFailure(f"{source}: no such file or directory")
-    for pattern in ("model.safetensors", "model-*-of-*.safetensors", "*.safetensors", "pytorch_model*.bin", "*.pt"):
+    patterns = (
+        "model.safetensors",
+        "model-*-of-*.safetensors",
+        "*.safetensors",
+        "pytorch_model*.bin",
+        "*.pt",
+        "*.ckpt",
+    )
+    for pattern in patterns:
         found = sorted(glob.glob(os.path.join(source, pattern)))
         if found:
             return found
-    raise ImportFailure(f"{source}: no weights (model.safetensors, *.safetensors, pytorch_model.bin or *.pt)")
+    raise ImportFailure(f"{source}: no weights (model.safetensors, *.safetensors, pytorch_model.bin, *.pt or *.ckpt)")
 
 
 def read_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:

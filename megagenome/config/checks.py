@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 def validate(cfg: RootConfig) -> list[str]:
     """Every static problem with the config, as messages naming the flag. Empty when valid."""
     return (
-        _model_problems(cfg.model)
+        model_problems(cfg.model)
         + _data_problems(cfg.data, cfg.model)
         + seq_warmup_problems(cfg)
         + _train_problems(cfg.train)
@@ -125,7 +125,8 @@ def _within_unit(pairs: list[tuple[str, float]]) -> list[str]:
     return [f"--{flag}={value}: must be within [0, 1]" for flag, value in pairs if not 0.0 <= value <= 1.0]
 
 
-def _model_problems(m: ModelConfig) -> list[str]:
+def model_problems(m: ModelConfig) -> list[str]:
+    """The model section's own problems (validate runs them with the rest; `megagenome import` on what it mapped)."""
     problems = _positive(
         [("model.d_model", m.d_model), ("model.n_layer", m.n_layer), ("model.n_head", m.n_head)]
         + [("model.max_seq_len", m.max_seq_len)]

@@ -45,6 +45,15 @@ class ModelConfig:
     """striped_hyena: poles of each channel's Hyena-LI filter (its modal order)."""
     filter_width: int = 64
     """hyena: hidden width of the implicit filter's MLP (sine activations over positional features)."""
+    filter_inner_layers: int = 1
+    """hyena: the implicit filter MLP's hidden (width x width) layers, each followed by a sine (HyenaDNA's
+    num_inner_mlps: 2)."""
+    filter_shared_sine: bool = False
+    """hyena: one sine (one learned frequency vector) after every layer of the filter MLP, as HyenaDNA's; false: a
+    sine of its own after each."""
+    filter_decay_shift: float = 0.0
+    """hyena: the implicit filter is multiplied by (exponential decay + this): HyenaDNA's ExponentialModulation shift
+    (0.05), so that no tap decays to zero."""
     rc_equivariance: Literal["ps", "post_hoc"] = "ps"
     """caduceus: ps (Caduceus-PS, parameter sharing: both strands' embeddings through the same blocks, exactly
     reverse-complement equivariant by construction; the residual stream is 2 x --model.d_model wide for the
@@ -75,6 +84,10 @@ class ModelConfig:
     """Number of transformer blocks."""
     n_head: int = 4
     """Number of attention heads; must divide d_model."""
+    n_kv_head: int | None = None
+    """transformer: key/value heads of grouped-query attention (Ainslie et al. 2023; Llama 3's num_key_value_heads):
+    each group of n_head / n_kv_head query heads shares one key and one value head; must divide --model.n_head.
+    Default: n_head (multi-head attention)."""
     d_ff: int | None = None
     """Hidden width of the SwiGLU MLP; default 8/3 * d_model rounded up to a multiple of 64 (gpn: of its GELU
     feed-forward, default 4 * d_model, as GPN's)."""
@@ -82,15 +95,21 @@ class ModelConfig:
     """Longest sequence the model accepts (rotary tables are built for this length)."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
-    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
+    rope_scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"
     """Rotary scaling for a context longer than the model was trained at (README "Context extension"): linear
     (position interpolation, Chen et al. 2023: positions / --model.rope_factor), ntk (NTK-aware base change: rope_theta
     x factor^(d/(d-2)), d the head size) or yarn (YaRN, Peng et al. 2023, as transformers computes it: per-frequency
     ramp between interpolation and extrapolation, beta_fast 32, beta_slow 1, and cos/sin scaled by 0.1 ln(factor) +
-    1); none: plain rotary positions."""
+    1), or llama3 (Llama 3.1's: wavelengths longer than the trained context over --model.rope_low_freq_factor are
+    divided by the factor, shorter than it over --model.rope_high_freq_factor kept, a smooth blend between); none:
+    plain rotary positions."""
     rope_factor: float = 1.0
     """Context multiple of --model.rope_scaling: the extended context over the trained one (>= 1; e.g. 4 for 2k ->
     8k). Must stay 1 with --model.rope_scaling none."""
+    rope_low_freq_factor: float = 1.0
+    """--model.rope_scaling llama3: wavelengths above rope_original_max_len / this are interpolated (Llama 3.1: 1)."""
+    rope_high_freq_factor: float = 4.0
+    """--model.rope_scaling llama3: wavelengths below rope_original_max_len / this are kept (Llama 3.1: 4)."""
     rope_original_max_len: int | None = None
     """Context the model was trained at before the extension: the length YaRN's ramp is measured against (linear and
     ntk only record it); default --model.max_seq_len / --model.rope_factor."""
@@ -100,17 +119,23 @@ class ModelConfig:
     """Share the token embedding matrix with the output head."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
-    norm_form: Literal["rsqrt", "divide"] = "rsqrt"
-    """transformer and Hyena families: RMSNorm's formula. rsqrt: x * rsqrt(mean(x^2) + eps) * scale (Llama,
-    megagenome); divide: x / (rms(x) + eps) * scale, eps outside the root (StripedHyena: Evo 1 and Evo 2)."""
-    mlp_activation: Literal["silu", "gelu", "gelu_first"] = "silu"
-    """transformer and Hyena families: the gate of the gated MLP w_down(act(w_gate x) * w_up x). silu (SwiGLU),
-    gelu (erf GELU), gelu_first (Evo 2: GELU in the first block, no activation in every later block, a bilinear
-    w_down(w_gate x * w_up x))."""
-    biases: list[Literal["mixer_in", "short_filter", "mixer_out", "qkv", "attention_out"]] = field(default_factory=list)
+    norm_form: Literal["rsqrt", "divide", "layernorm"] = "rsqrt"
+    """transformer and Hyena families: the norm's formula. rsqrt: RMSNorm, x * rsqrt(mean(x^2) + eps) * scale (Llama,
+    megagenome); divide: x / (rms(x) + eps) * scale, eps outside the root (StripedHyena: Evo 1 and Evo 2);
+    layernorm: LayerNorm with a scale and a bias (HyenaDNA)."""
+    mlp_activation: Literal["silu", "gelu", "gelu_tanh", "gelu_first"] = "silu"
+    """transformer and Hyena families: the MLP's activation, of the gate in the gated MLP w_down(act(w_gate x) * w_up
+    x). silu (SwiGLU), gelu (erf GELU), gelu_tanh (GELU's tanh approximation, HyenaDNA's), gelu_first (Evo 2: GELU
+    in the first block, no activation in every later block, a bilinear w_down(w_gate x * w_up x))."""
+    mlp_gated: bool = True
+    """transformer and Hyena families: the gated MLP (above); false: the plain w_down(act(w_up x)) (HyenaDNA's)."""
+    biases: list[Literal["mixer_in", "short_filter", "mixer_out", "qkv", "attention_out", "mlp"]] = field(
+        default_factory=list
+    )
     """striped_hyena and transformer: the projections that carry a bias: mixer_in, short_filter, mixer_out (each Hyena
-    operator's input projection, featurizer convolution and out_proj), qkv, attention_out (each attention block's).
-    Evo 2 has mixer_out and attention_out, Evo 1 all five; megagenome's default none."""
+    operator's input projection, featurizer convolution and out_proj), qkv, attention_out (each attention block's),
+    mlp (the plain MLP's two linears; --model.mlp_gated false). Evo 2 has mixer_out and attention_out, Evo 1 the first
+    five, HyenaDNA mixer_in, short_filter, mixer_out and mlp; megagenome's default none."""
     mr_decay: bool = True
     """striped_hyena: multiply the Hyena-MR filters by HyenaDNA's per-channel exponential decay; false: the taps as
     they are (Evo 2's published checkpoints store the MR taps already decayed)."""
@@ -118,11 +143,17 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation."""
     objective: Literal["clm", "mlm"] = "clm"
     """clm: causal next-base prediction; mlm: bidirectional masked-base prediction (BERT-style)."""
-    vocabulary: Literal["megagenome", "bytes", "characters", "gpn"] = "megagenome"
+    vocabulary: Literal["megagenome", "bytes", "characters", "gpn", "table"] = "megagenome"
     """The rows of the token embedding and head (model/vocabulary.py): megagenome (its own 8 tokens), or a published
     model's table, kept whole by `megagenome import`: bytes (Evo 1 and Evo 2: 512 rows, a base's row its ASCII
-    code), characters (HyenaDNA and Caduceus: 12), gpn (GPN: 7). The data stays megagenome's tokens; the model maps
-    them onto the table's rows, and its loss is over the whole table."""
+    code), characters (HyenaDNA and Caduceus: 12), gpn (GPN: 7), or table (a tokenizer's, read by the import:
+    --model.vocabulary_size rows, --model.vocabulary_ids). The data stays megagenome's tokens; the model maps them onto
+    the table's rows, and its loss is over the whole table."""
+    vocabulary_size: int | None = None
+    """--model.vocabulary table: the table's rows (a Llama checkpoint's vocab_size)."""
+    vocabulary_ids: list[int] = field(default_factory=list)
+    """--model.vocabulary table: the row of each megagenome token, in its order <pad> <mask> <sep> A C G T N (eight
+    rows within --model.vocabulary_size; tokens may share one, e.g. <mask> the padding row of a causal model)."""
     attention: Literal["auto", "sdpa", "math", "cudnn", "flash", "fa3"] = "auto"
     """Attention kernel: sdpa (torch chooses), math (SDPA's math backend), cudnn (SDPA's cuDNN backend), flash
     (flash-attn 2), fa3 (FlashAttention-3, Hopper). auto: on CUDA in bf16/fp16, fa3 when installed on a 9.x GPU, else

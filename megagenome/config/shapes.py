@@ -88,7 +88,11 @@ def bidirectional_problems(m: ModelConfig) -> list[str]:
 
 # The options a published model's import sets (model/hyena/evo2.py, evo1.py), with their defaults: the transformer
 # and Hyena blocks implement them; the bidirectional families' blocks have their own norms and no gated MLP.
-PUBLISHED_FORM = {"norm_form": "rsqrt", "mlp_activation": "silu", "biases": [], "mr_decay": True}
+PUBLISHED_FORM = {"norm_form": "rsqrt", "mlp_activation": "silu", "mlp_gated": True, "biases": [], "mr_decay": True,
+                  "filter_inner_layers": 1, "filter_shared_sine": False, "filter_decay_shift": 0.0}  # fmt: skip
+# The family each option of PUBLISHED_FORM belongs to where it is not the transformer's and the Hyena families'.
+OWN_FAMILY = {"mr_decay": "striped_hyena", "filter_inner_layers": "hyena", "filter_shared_sine": "hyena",
+              "filter_decay_shift": "hyena"}  # fmt: skip
 
 
 def standard_form(m: ModelConfig) -> bool:
@@ -99,11 +103,51 @@ def standard_form(m: ModelConfig) -> bool:
 
 def published_form_problems(m: ModelConfig) -> list[str]:
     """--model.norm_form, mlp_activation and biases are the transformer's and the Hyena families' (mr_decay
-    striped_hyena's): set on another family they would do nothing, which is refused."""
-    problems = []
+    striped_hyena's): set on another family they would do nothing, which is refused; and the grouped-query heads,
+    Llama 3's rotary factors and a tokenizer's table (attention_problems, vocabulary_problems)."""
+    problems = attention_problems(m) + vocabulary_problems(m)
     for key, default in PUBLISHED_FORM.items():
         value = getattr(m, key)
-        families = ("striped_hyena",) if key == "mr_decay" else ("transformer", "hyena", "striped_hyena")
+        families = (OWN_FAMILY[key],) if key in OWN_FAMILY else ("transformer", "hyena", "striped_hyena")
         if value != default and m.family not in families:
             problems.append(f"--model.{key}={value}: only for --model.family {' or '.join(families)} (not {m.family})")
+    if "mlp" in m.biases and m.mlp_gated:
+        problems.append("--model.biases mlp with the gated MLP: the MLP biases are the plain MLP's (HyenaDNA's); set "
+                        "--model.mlp_gated false")  # fmt: skip
+    if m.filter_inner_layers < 0:
+        problems.append(f"--model.filter_inner_layers={m.filter_inner_layers}: must be 0 or more")
     return problems
+
+
+def attention_problems(m: ModelConfig) -> list[str]:
+    """--model.n_kv_head divides --model.n_head; the llama3 rotary factors are given only with it, low below high."""
+    problems = []
+    if m.n_kv_head is not None and m.family != "transformer":
+        problems.append(f"--model.n_kv_head={m.n_kv_head}: grouped-query attention is the transformer family's "
+                        f"(not {m.family})")  # fmt: skip
+    elif m.n_kv_head is not None and (m.n_kv_head <= 0 or (m.n_head > 0 and m.n_head % m.n_kv_head)):
+        problems.append(f"--model.n_kv_head={m.n_kv_head}: must be a positive divisor of --model.n_head={m.n_head} "
+                        "(each key/value head serves a whole group of query heads)")  # fmt: skip
+    factors = (m.rope_low_freq_factor, m.rope_high_freq_factor)
+    if m.rope_scaling != "llama3" and factors != (1.0, 4.0):
+        problems.append(f"--model.rope_low_freq_factor/--model.rope_high_freq_factor={factors}: only with "
+                        "--model.rope_scaling llama3")  # fmt: skip
+    elif not 0 < factors[0] < factors[1]:
+        problems.append(f"--model.rope_low_freq_factor={factors[0]} must be positive and below "
+                        f"--model.rope_high_freq_factor={factors[1]}")  # fmt: skip
+    return problems
+
+
+def vocabulary_problems(m: ModelConfig) -> list[str]:
+    """--model.vocabulary table needs its size and the row of each of megagenome's eight tokens (<pad> <mask> <sep>
+    A C G T N) within it; the two keys are refused with any other vocabulary, where they would do nothing."""
+    if m.vocabulary != "table":
+        given = [k for k in ("vocabulary_size", "vocabulary_ids") if getattr(m, k)]
+        return [f"--model.{k}: only with --model.vocabulary table (not {m.vocabulary})" for k in given]
+    size, ids = m.vocabulary_size, list(m.vocabulary_ids)
+    if size is None or size <= 0:
+        return [f"--model.vocabulary table needs --model.vocabulary_size (the table's rows), got {size}"]
+    if len(ids) != 8 or not all(0 <= i < size for i in ids):
+        return [f"--model.vocabulary_ids={ids}: expected the rows (0..{size - 1}) of megagenome's eight tokens, "
+                "<pad> <mask> <sep> A C G T N in that order"]  # fmt: skip
+    return []

@@ -16,12 +16,16 @@ from megagenome.model.gpn.published import GPN_FORMAT
 from megagenome.model.hyena import HYENA, STRIPED_HYENA
 from megagenome.model.hyena.evo1 import EVO1_FORMAT
 from megagenome.model.hyena.evo2 import EVO2_FORMAT
+from megagenome.model.hyena.hyenadna import HYENADNA_FORMAT
 from megagenome.model.published import PublishedFormat
 from megagenome.model.transformer import TRANSFORMER
+from megagenome.model.transformer.llama import LLAMA_FORMAT
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (TRANSFORMER, HYENA, STRIPED_HYENA, CADUCEUS, GPN)}
 # The published checkpoints' layouts by `megagenome import --format` name (model/published.py).
-PUBLISHED: dict[str, PublishedFormat] = {f.name: f for f in (EVO2_FORMAT, EVO1_FORMAT, GPN_FORMAT)}
+PUBLISHED: dict[str, PublishedFormat] = {
+    f.name: f for f in (EVO2_FORMAT, EVO1_FORMAT, HYENADNA_FORMAT, GPN_FORMAT, LLAMA_FORMAT)
+}
 
 
 def family_of(cfg) -> ModelFamily:

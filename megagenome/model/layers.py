@@ -75,7 +75,8 @@ def init_normal_(module: nn.Module, std: float) -> None:
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale and no bias, computed in float32. form "divide" is StripedHyena's
-    variant, x / (rms(x) + eps) (--model.norm_form), for the published models that were trained with it.
+    variant, x / (rms(x) + eps), and "layernorm" a LayerNorm with a bias (--model.norm_form), for the published
+    models that were trained with them.
 
     Squaring bf16/fp16 activations loses precision (and can overflow in fp16), so the statistics
     and the scaling are done in float32 and the result is cast back to the input dtype. Runs as
@@ -86,8 +87,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.form = eps, form
         self.weight = nn.Parameter(torch.ones(dim))
+        # form "layernorm": LayerNorm, mean removed, with a bias (HyenaDNA's), in float32 like the others.
+        self.bias = nn.Parameter(torch.zeros(dim)) if form == "layernorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            weight, bias = self.weight.float(), self.bias.float()
+            return F.layer_norm(x.float(), weight.shape, weight, bias, self.eps).to(x.dtype)  # (..., dim)
         if self.form == "divide":  # StripedHyena's: x / (||x|| / sqrt(d) + eps) * scale, in float32
             xf = x.float()
             rms = xf.norm(2, dim=-1, keepdim=True) * x.size(-1) ** -0.5  # (..., 1)

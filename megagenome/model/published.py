@@ -4,8 +4,10 @@ both ways.
 A format (PublishedFormat, one per published layout, in the folder of the family it maps into, e.g.
 model/gpn/published.py) answers from what its authors publish, their config as a dict and their state dict:
 
-    model_config(config)        the family's ModelConfig, or ImportRefused naming the key and the reason (a variant
-                                megagenome does not implement): checked before anything is written
+    model_config(config, tokenizer)  the family's ModelConfig, or ImportRefused naming the key and the reason (a
+                                variant megagenome does not implement): checked before anything is written;
+                                tokenizer: the checkpoint's {token: row} (read only where `tokenizer` is set: a
+                                table the format does not fix, Llama's)
     to_ours(weights, cfg)       megagenome's dense state dict (the family's names; every tensor of theirs used,
                                 every one of ours filled, or ImportRefused)
     to_theirs(state, cfg)       the way back: (their config dict, their state dict), what their code loads
@@ -39,11 +41,12 @@ class PublishedFormat(ABC):
     family: str  # the --model.family it maps into
     title: str  # what it is, for --help and the docs
     oracle: str  # the authors' code that reads and writes it (the tests' oracle)
+    tokenizer = False  # whether model_config needs the checkpoint's tokenizer (its table is not the format's own)
     weights_file = "model.safetensors"  # what `export --format` writes: safetensors, or torch.save for a .pt
     config_file = "config.json"  # ... and the config beside it: JSON, or YAML for a .yml
 
     @abstractmethod
-    def model_config(self, config: dict) -> ModelConfig: ...
+    def model_config(self, config: dict, tokenizer: dict[str, int] | None = None) -> ModelConfig: ...
 
     @abstractmethod
     def to_ours(self, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]: ...

@@ -1,10 +1,11 @@
 """The token tables a model's embedding and head may hold (layer L1): megagenome's own, or a published model's.
 
 megagenome's data pipeline always speaks its own eight tokens (data/tokenizer.py VOCAB: <pad> <mask> <sep> A C G T
-N). A model imported from a published checkpoint keeps the rows its authors trained (Evo's 512 bytes, HyenaDNA's
-and Caduceus' 12 characters, GPN's 7 tokens), because its loss, its softmax and its weights are over exactly those
-rows: cutting them to ours would change every probability. --model.vocabulary names the table; the model maps
-megagenome's ids onto the table's rows as the first thing it does (model/stack.py BlockStack), so:
+N). A model imported from a published checkpoint keeps the rows its authors trained (Evo's 512 bytes, HyenaDNA's and
+Caduceus' 12 characters, GPN's 7 tokens, a Llama tokenizer's table), because its loss, its softmax and its weights
+are over exactly those rows: cutting them to ours would change every probability. --model.vocabulary names the
+table; the model maps megagenome's ids onto the table's rows as the first thing it does (model/stack.py BlockStack),
+so:
 
 - the embedding is looked up at the table's row of each token;
 - the loss is the cross entropy over every row of the table, with the labels mapped the same way (the authors'
@@ -13,9 +14,12 @@ megagenome's ids onto the table's rows as the first thing it does (model/stack.p
   (variant scores, embeddings, evaluation) reads them as it reads a megagenome model's; log_probs() normalises
   over the whole table first (the authors' probabilities), then picks the same rows.
 
-The map need not be one-to-one: a table with no mask or separator token gives them its padding or unknown row.
-The ids are in data/tokenizer.py VOCAB's order; they are written here, not imported, because the model layer does
-not import the data layer (tests/test_vocabulary.py checks the names against it).
+A tokenizer's table (--model.vocabulary table, a Llama-shaped model's) is given by its size and the row of each
+megagenome token (--model.vocabulary_size, --model.vocabulary_ids), which `megagenome import` reads from the
+checkpoint's tokenizer; config/shapes.py vocabulary_problems checks them. The map need not be one-to-one: a table
+with no mask or separator token gives them its padding or unknown row. The ids are in data/tokenizer.py VOCAB's
+order; they are written here, not imported, because the model layer does not import the data layer
+(tests/test_vocabulary.py checks the names against it).
 """
 
 from __future__ import annotations
@@ -58,8 +62,10 @@ VOCABULARIES = {
 
 
 def vocabulary_of(cfg) -> Vocabulary:
-    """The Vocabulary of a ModelConfig's --model.vocabulary."""
+    """The Vocabulary of a ModelConfig's --model.vocabulary (table: its --model.vocabulary_size and _ids)."""
     name = getattr(cfg, "vocabulary", "megagenome")
+    if name == "table":
+        return Vocabulary("table", cfg.vocabulary_size, tuple(cfg.vocabulary_ids), "a tokenizer's table")
     if name not in VOCABULARIES:
         raise ValueError(f"--model.vocabulary={name!r}: not one of {', '.join(VOCABULARIES)}")
     return VOCABULARIES[name]

@@ -43,6 +43,23 @@ MODELS = {
         "biases": ["mixer_out", "attention_out"],
         "mr_decay": False,
     },
+    # An imported HyenaDNA's options (model/hyena/hyenadna.py): LayerNorm, the plain GELU MLP with biases, biased
+    # projections and short filter, two inner filter layers behind one shared sine, the decay shift, a 16-row table.
+    "hyenadna_form": {
+        "family": "hyena",
+        "n_layer": 2,
+        "filter_width": 16,
+        "norm_form": "layernorm",
+        "mlp_gated": False,
+        "mlp_activation": "gelu_tanh",
+        "biases": ["mixer_in", "short_filter", "mixer_out", "mlp"],
+        "filter_inner_layers": 2,
+        "filter_shared_sine": True,
+        "filter_decay_shift": 0.05,
+        "vocabulary": "table",
+        "vocabulary_size": 16,
+        "vocabulary_ids": [4, 3, 1, 7, 8, 9, 10, 11],
+    },
 }
 
 

@@ -18,11 +18,35 @@ from support.helpers import cli, cli_here, copy_genome, run_config, tiny_config,
 BYTES = torch.tensor(VOCABULARIES["bytes"].ids)  # each megagenome token's byte (Evo 1 and Evo 2)
 
 
+def unit_gain_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of unit gain in an authors' model (their own initialisations are near-identities or zeros in
+    places, which would hide a mapping error): matrices N(0, 1/fan_in), vectors (norm scales, biases, sine
+    frequencies) 1 + N(0, 0.04); buffers untouched."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+            else:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+
+
 def import_into(source: str, fmt: str, out: str, *flags: str) -> str:
     """`megagenome import SOURCE --format FMT --output OUT FLAGS` (in this process), which must succeed; OUT."""
     proc = cli_here("import", source, "--format", fmt, "--output", out, *flags)
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+def import_refused(source: str, fmt: str, out: str, *fragments: str) -> None:
+    """`megagenome import SOURCE --format FMT --output OUT` must exit 2 with an error naming every fragment and no
+    traceback, leaving nothing at OUT (nor a staging directory beside it)."""
+    proc = cli_here("import", source, "--format", fmt, "--output", out)
+    err = proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+    assert not os.path.exists(out) and not [n for n in os.listdir(os.path.dirname(out)) if ".partial" in n]
 
 
 def tokens(B: int = 2, T: int = 100, seed: int = 3) -> torch.Tensor:

@@ -63,10 +63,11 @@ def _weighted_batch(B: int, T: int, seed: int) -> dict:
     }
 
 
-def _model_case(sp_attention, group, rank: int, sp: int, objective: str, checkpointing: str, dtype) -> dict:
+def _model_case(sp_attention, group, rank: int, sp: int, objective: str, checkpointing: str, dtype, **extra) -> dict:
     """A whole DNATransformer: chunk logits, summed chunk losses and sp-summed gradients against the model on
-    whole sequences, with non-uniform loss weights (zeros included)."""
-    cfg = ModelConfig(d_model=32, n_layer=2, n_head=4, max_seq_len=64, objective=objective, checkpointing=checkpointing)
+    whole sequences, with non-uniform loss weights (zeros included); extra: more of its config."""
+    shape = dict(d_model=32, n_layer=2, n_head=4, max_seq_len=64)
+    cfg = ModelConfig(**shape, objective=objective, checkpointing=checkpointing, **extra)
     batch = _weighted_batch(3, 32, 11)
     torch.manual_seed(0)
     ref = DNATransformer(cfg, 8).to(dtype)
@@ -164,6 +165,10 @@ def attention_equivalence(run_dir: str) -> None:
             for ckpt in ("none", "selective", "full"):
                 key = f"model/{dname}/{objective}/{ckpt}"
                 results[key] = _model_case(sp_attention, group, rank, world, objective, ckpt, dtype)
+        # Llama-shaped: grouped-query attention (2 key/value heads for 4 query heads), biases, Llama 3's rotary
+        llama = dict(n_kv_head=2, biases=["qkv", "attention_out"], rope_scaling="llama3", rope_factor=2.0)
+        key = f"model/{dname}/clm_llama_gqa/selective"
+        results[key] = _model_case(sp_attention, group, rank, world, "clm", "selective", dtype, **llama)
         for family in ("striped_hyena", "hyena"):
             for ckpt in ("none", "selective", "full"):
                 key = f"hyena/{dname}/{family}/{ckpt}"

@@ -159,32 +159,40 @@ def _grad_diffs(dense: nn.Module, sharded: nn.Module, grads: dict[str, torch.Ten
     return worst
 
 
+def _model_case(state, rank: int, size: int, cfg: ModelConfig) -> dict:
+    """One DNATransformer: loss, nll and every gradient against dense."""
+    dense, sharded = _pair(state, cfg)
+    initial = _weight_diffs(dense, sharded, rank, size)
+    loss, nll, weight = dense(**_batch())
+    loss.backward()
+    loss_tp, nll_tp, weight_tp = sharded(**_batch())
+    loss_tp.backward()
+    grads = {n: p.grad for n, p in sharded.named_parameters()}
+    return {
+        "initial_weights": initial,
+        "loss": abs(float(loss_tp) - float(loss)),
+        "nll": abs(float(nll_tp) - float(nll)),
+        "nll_scale": abs(float(nll)),  # a sum over the batch (~100): float32 ulp 7.6e-6
+        "weight": abs(float(weight_tp) - float(weight)),
+        "grad": _grad_diffs(dense, sharded, grads, rank, size),
+        "grad_scale": max(float(p.grad.abs().max()) for p in dense.parameters()),
+        "local_params": sum(p.numel() for p in sharded.parameters()),
+        "dense_params": dense.num_parameters(),
+    }
+
+
 def _model(state, rank: int, size: int) -> dict:
-    """The whole DNATransformer, tied and untied, clm and mlm: loss, nll and every gradient against dense."""
+    """The whole DNATransformer, tied and untied, clm and mlm, and a Llama-shaped one (grouped-query attention with
+    a key/value group per rank, biases on q, k, v and o, Llama 3's rotary scaling): against dense."""
     out = {}
     for objective in ("clm", "mlm"):
         for tied in (True, False):
             for checkpointing in ("none", "full"):
                 cfg = _model_cfg(objective=objective, tie_embeddings=tied, checkpointing=checkpointing)
-                dense, sharded = _pair(state, cfg)
-                initial = _weight_diffs(dense, sharded, rank, size)
-                loss, nll, weight = dense(**_batch())
-                loss.backward()
-                loss_tp, nll_tp, weight_tp = sharded(**_batch())
-                loss_tp.backward()
-                grads = {n: p.grad for n, p in sharded.named_parameters()}
                 key = f"model/{objective}/tied={tied}/checkpointing={checkpointing}"
-                out[key] = {
-                    "initial_weights": initial,
-                    "loss": abs(float(loss_tp) - float(loss)),
-                    "nll": abs(float(nll_tp) - float(nll)),
-                    "nll_scale": abs(float(nll)),  # a sum over the batch (~100): float32 ulp 7.6e-6
-                    "weight": abs(float(weight_tp) - float(weight)),
-                    "grad": _grad_diffs(dense, sharded, grads, rank, size),
-                    "grad_scale": max(float(p.grad.abs().max()) for p in dense.parameters()),
-                    "local_params": sum(p.numel() for p in sharded.parameters()),
-                    "dense_params": dense.num_parameters(),
-                }
+                out[key] = _model_case(state, rank, size, cfg)
+    llama = _model_cfg(n_kv_head=2, biases=["qkv", "attention_out"], rope_scaling="llama3", rope_factor=2.0)
+    out["model/clm/llama_gqa"] = _model_case(state, rank, size, llama)
     # Control: the same comparison with rank 1's qkv shard taken from the wrong heads must fail.
     dense, sharded = _pair(state, _model_cfg())
     with torch.no_grad():

@@ -54,7 +54,7 @@ class GPNFormat(PublishedFormat):
     title = "GPN (the gpn package's GPNForMaskedLM, convnet encoder)"
     oracle = "gpn (pip gpn): gpn.model.GPNForMaskedLM"
 
-    def model_config(self, config: dict) -> ModelConfig:
+    def model_config(self, config: dict, tokenizer: dict[str, int] | None = None) -> ModelConfig:
         if config.get("model_type") == "ConvNet":
             raise ImportRefused(
                 "model_type",

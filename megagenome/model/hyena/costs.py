@@ -92,6 +92,12 @@ class HyenaShape(ParamTable):
     max_seq_len: int = 1024
     dropout: float = 0.0
     causal: bool = True
+    mlp_gated: bool = True
+    """--model.mlp_gated: three MLP matrices (gate, up, down), or two (HyenaDNA's plain MLP)."""
+    filter_inner_layers: int = 1
+    """--model.filter_inner_layers: the H filter MLP's width x width layers. (The published forms' biases and LayerNorm
+    shifts are vectors this cost model leaves out, and a shared sine it counts once per layer: under 0.1% of a
+    model's parameters.)"""
 
     @classmethod
     def of(cls, cfg: ModelConfig, vocab_size: int) -> HyenaShape:
@@ -111,7 +117,13 @@ class HyenaShape(ParamTable):
             tie_embeddings=cfg.tie_embeddings,
             max_seq_len=cfg.max_seq_len,
             dropout=cfg.dropout,
+            mlp_gated=cfg.mlp_gated,
+            filter_inner_layers=cfg.filter_inner_layers,
         )
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.mlp_gated else 2
 
     @property
     def n_layer(self) -> int:
@@ -179,7 +191,7 @@ class HyenaShape(ParamTable):
     def matmul_params(self) -> int:
         """Weights that take part in one matmul per token: projections, MLPs, the LM head (module docstring)."""
         d = self.d_model
-        return self.n_layer * (4 * d * d + 3 * d * self.d_ff) + self.padded_vocab * d
+        return self.n_layer * (4 * d * d + self.mlp_matrices * d * self.d_ff) + self.padded_vocab * d
 
     def operator_forward_flops(self, kind: str, seq: int) -> dict[str, float]:
         """Forward FLOPs per token of one layer's mixer beyond its projections, by term (module docstring); the
@@ -201,7 +213,7 @@ class HyenaShape(ParamTable):
             out["filter"] = 10.0 * d * self.state_size
         else:
             w = self.filter_width
-            out["filter_mlp"] = 2.0 * (POSITION_FEATURES * w + w * w + w * d)
+            out["filter_mlp"] = 2.0 * (POSITION_FEATURES * w + self.filter_inner_layers * w * w + w * d)
             out["filter"] = float(d)
         return out
 
@@ -232,7 +244,9 @@ class HyenaShape(ParamTable):
     def block_forward_flops(self, kind: str, seq: int) -> float:
         """Forward FLOPs per token of one block: projections, MLP and mixer."""
         d = self.d_model
-        return 2.0 * (4 * d * d + 3 * d * self.d_ff) + sum(self.operator_forward_flops(kind, seq).values())
+        return 2.0 * (4 * d * d + self.mlp_matrices * d * self.d_ff) + sum(
+            self.operator_forward_flops(kind, seq).values()
+        )
 
     def recompute_flops_per_token(self, seq: int, policy: str, early_stop: bool = True, every: int = 1) -> float:
         """Forward FLOPs per token that --model.checkpointing reruns in backward: full and every_k rerun every block
@@ -273,7 +287,8 @@ def filter_param_shapes(shape: HyenaShape, kind: str, tp: int = 1) -> list[tuple
     """The parameter shapes of one Hyena layer's filter on one rank, in model order (module docstring)."""
     c, w, S = shape.d_model // tp, shape.filter_width, shape.state_size
     if kind == "H":
-        return [(w, POSITION_FEATURES), (w,), (1, w), (w, w), (w,), (1, w), (c, w)]
+        inner = [(w, w), (w,), (1, w)] * shape.filter_inner_layers  # each inner linear with its sine
+        return [(w, POSITION_FEATURES), (w,), (1, w), *inner, (c, w)]
     if kind == "LI":
         return [(c, S), (c, S), (c, S, 2)]
     return [(c, shape.se_filter_len if kind == "SE" else shape.mr_filter_len)]
@@ -283,7 +298,7 @@ def block_param_table(shape: HyenaShape, kind: str, tp: int = 1) -> list[tuple[t
     """(shape on one rank, decays) of one block's parameters in model order: a Hyena block (mixer_norm, the
     operator's short_filter, D, in_proj, filter, out_proj, then the MLP) or an attention block (the transformer's)."""
     d, f = shape.d_model, shape.d_ff
-    mlp = [((d,), False), ((f // tp, d), True), ((f // tp, d), True), ((d, f // tp), True)]
+    mlp = [((d,), False), *[((f // tp, d), True)] * (shape.mlp_matrices - 1), ((d, f // tp), True)]
     if kind == "A":
         return [((d,), False), ((3 * d // tp, d), True), ((d, d // tp), True), *mlp]
     mixer = [((d,), False), ((3 * d // tp, shape.short_filter_len), False), ((d // tp,), False)]

@@ -42,7 +42,7 @@ class Evo1Format(PublishedFormat):
     title = "Evo 1 (Together's StripedHyena layout: stripedhyena's state dict, or Evo 1's Hugging Face checkpoint)"
     oracle = "stripedhyena (pip stripedhyena): stripedhyena.model.StripedHyena"
 
-    def model_config(self, config: dict) -> ModelConfig:
+    def model_config(self, config: dict, tokenizer: dict[str, int] | None = None) -> ModelConfig:
         d, heads, factor = shape_of(config, "Evo 1")
         kinds = layers_by_index(config, KINDS)
         expect(config, "column_split_hyena", True, "the Hyena projection's rows per head", True)

@@ -52,7 +52,7 @@ class Evo2Format(PublishedFormat):
     weights_file = "model.pt"  # vortex loads torch.load(path) into custom_load_state_dict
     config_file = "config.yml"
 
-    def model_config(self, config: dict) -> ModelConfig:
+    def model_config(self, config: dict, tokenizer: dict[str, int] | None = None) -> ModelConfig:
         d, heads, factor = shape_of(config, "Evo 2")
         kinds = layers_by_index(config, KINDS)
         expect(config, "interleave", True, "the projection rows interleaved per channel", True)

@@ -121,8 +121,10 @@ def position_features(T: int, max_seq_len: int, device=None) -> torch.Tensor:
 
 class ImplicitFilter(nn.Module):
     """H: HyenaDNA's implicit filter over `channels` (this rank's) of `d` channels: an MLP of width w, Linear(5, w)
-    -> Sine -> Linear(w, w) -> Sine -> Linear(w, d) (the last one column-parallel: a rank computes its channels),
-    over the positional features of max_seq_len positions, times the exponential decay.
+    -> Sine, then --model.filter_inner_layers times Linear(w, w) -> Sine, then Linear(w, d) (column-parallel: a rank
+    computes its channels), over the positional features of max_seq_len positions, times the exponential decay plus
+    --model.filter_decay_shift. --model.filter_shared_sine: every sine is the first one (HyenaDNA's MLP reuses one Sin
+    module), and the MLP holds no other.
 
     The features and the decay are computed in float32 at every call, not kept as buffers: DeepSpeed's bf16 and
     fp16 cast a module's floating-point buffers with its weights, and a decay rounded to bf16 would lose its
@@ -134,11 +136,23 @@ class ImplicitFilter(nn.Module):
     def __init__(self, cfg: ModelConfig, layers):
         super().__init__()
         width, self.max_seq_len, self.d = cfg.filter_width, cfg.max_seq_len, cfg.d_model
-        self.mlp = nn.Sequential(nn.Linear(POSITION_FEATURES, width), Sine(width), nn.Linear(width, width), Sine(width))
+        self.shared_sine, self.shift = cfg.filter_shared_sine, cfg.filter_decay_shift
+        modules = [nn.Linear(POSITION_FEATURES, width), Sine(width)]
+        for _ in range(cfg.filter_inner_layers):
+            modules += [nn.Linear(width, width)] + ([] if self.shared_sine else [Sine(width)])
+        self.mlp = nn.Sequential(*modules)
         self.out = layers.column(width, cfg.d_model)  # (L, w) -> (L, channels)
         self.register_buffer("channel", layers.channels(torch.arange(cfg.d_model), False), persistent=False)
         for p in self.parameters():
             p.no_weight_decay = True
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP before its output layer, of the features x (T, 5): (T, w)."""
+        for i, module in enumerate(self.mlp):
+            x = module(x)
+            if self.shared_sine and i >= 2:  # an inner linear: the one sine after it
+                x = self.mlp[1](x)
+        return x
 
     def forward(self, T: int, rows: slice = ALL) -> torch.Tensor:
         """The filters of the first T taps, float32 (channels, T): of this rank's channels, or of `rows` of them."""
@@ -147,9 +161,10 @@ class ImplicitFilter(nn.Module):
         # The MLP runs in its weights' dtype (bf16 under DeepSpeed's bf16, as under autocast); the filter is then
         # taken to float32, as every filter is. The last linear runs whole (a tensor-parallel one all-reduces its
         # input's gradient); only the rows asked for go on to float32 and the decay.
-        h = self.out(self.mlp(features.to(self.mlp[0].weight.dtype)))[:, rows]  # (T, rows)
+        h = self.out(self._hidden(features.to(self.mlp[0].weight.dtype)))[:, rows]  # (T, rows)
         t = features[:, 0]  # (T,)
-        return h.float().t() * exponential_decay(self.d, t, self.channel[rows])  # (rows, T)
+        decay = exponential_decay(self.d, t, self.channel[rows])  # (rows, T)
+        return h.float().t() * (decay if self.shift == 0 else decay + self.shift)  # (rows, T)
 
 
 class ExplicitFilter(nn.Module):

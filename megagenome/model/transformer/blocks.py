@@ -43,7 +43,12 @@ def yarn_mscale(factor: float) -> float:
 
 
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: str = "none", factor: float = 1.0, original_max_len: float | None = None
+    head_dim: int,
+    theta: float,
+    scaling: str = "none",
+    factor: float = 1.0,
+    original_max_len: float | None = None,
+    llama3_factors: tuple[float, float] = (1.0, 4.0),
 ) -> tuple[torch.Tensor, float]:
     """(inv_freq, mscale): the rotary frequencies, float64 (head_dim/2,), and the factor cos and sin are scaled by,
     of one scaling scheme (--model.rope_scaling, ModelConfig's docstrings):
@@ -55,6 +60,10 @@ def rope_frequencies(
                 the dimensions whose number of turns over original_max_len lies within [BETA_SLOW, BETA_FAST], bounds
                 rounded outwards as transformers' _compute_yarn_parameters does; mscale = yarn_mscale(factor), the
                 attention temperature sqrt(1/t) applied to q and k alike (so to their product squared)
+        llama3  Llama 3.1's, with llama3_factors = (low, high): a frequency whose wavelength 2 pi / f exceeds
+                original_max_len / low is divided by factor, one below original_max_len / high kept, those between
+                blended linearly in original_max_len / wavelength (transformers' _compute_llama3_parameters);
+                mscale 1
     """
     if scaling == "ntk":
         theta = ntk_theta(theta, factor, head_dim)
@@ -63,10 +72,12 @@ def rope_frequencies(
         return inv_freq, 1.0
     if scaling == "linear":
         return inv_freq / factor, 1.0
-    if scaling != "yarn":
-        raise ValueError(f"--model.rope_scaling={scaling!r}: expected none, linear, ntk or yarn")
+    if scaling not in ("yarn", "llama3"):
+        raise ValueError(f"--model.rope_scaling={scaling!r}: expected none, linear, ntk, yarn or llama3")
     if original_max_len is None:
-        raise ValueError("yarn rotary scaling needs the trained context (--model.rope_original_max_len)")
+        raise ValueError(f"{scaling} rotary scaling needs the trained context (--model.rope_original_max_len)")
+    if scaling == "llama3":
+        return llama3_frequencies(inv_freq, factor, original_max_len, *llama3_factors), 1.0
 
     def dimension(turns: float) -> float:  # the (fractional) dimension index whose frequency turns `turns` times
         return head_dim * math.log(original_max_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
@@ -78,6 +89,15 @@ def rope_frequencies(
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: / factor
     inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
     return inv_freq, yarn_mscale(factor)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, original: float, low: float, high: float) -> torch.Tensor:
+    """inv_freq under Llama 3.1's scaling (rope_frequencies): long wavelengths interpolated, short ones kept."""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((original / wavelength - low) / (high - low)).clamp(0, 1)  # 0 at original/low, 1 at original/high
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelength > original / low, inv_freq / factor, blended)
+    return torch.where(wavelength < original / high, inv_freq, out)
 
 
 class RotaryEmbedding(nn.Module):
@@ -99,13 +119,15 @@ class RotaryEmbedding(nn.Module):
         scaling: str = "none",
         factor: float = 1.0,
         original_max_len: float | None = None,
+        llama3_factors: tuple[float, float] = (1.0, 4.0),
     ):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
-        if scaling == "yarn" and original_max_len is None:
+        if scaling in ("yarn", "llama3") and original_max_len is None:
             original_max_len = max_seq_len / factor
-        inv_freq, self.mscale = rope_frequencies(head_dim, theta, scaling, factor, original_max_len)
+        scaled = (scaling, factor, original_max_len, llama3_factors)
+        inv_freq, self.mscale = rope_frequencies(head_dim, theta, *scaled)
         # float64 angles so positions near max_seq_len keep their precision before the float32 cast.
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (max_seq_len, head_dim/2)
         cos, sin = angles.cos(), angles.sin()
@@ -148,8 +170,10 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, H, T, head_dim)
 
     def rotate_qkv(self, qkv: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q and k of the packed projection output qkv, (B, T, n_head, 3, head_dim), rotated together at positions
-        offset..offset+T-1, and v; each (B, T, n_head, head_dim), views (head_dim contiguous), same math as forward.
+        """The queries and key of each key/value group of the packed projection output qkv, (B, T, groups, g + 2,
+        head_dim) (g query heads, then the key, then the value; multi-head attention: g = 1, groups = n_head),
+        rotated together at positions offset..offset+T-1, and the values: q (B, T, groups x g, head_dim), k and v
+        (B, T, groups, head_dim), views (head_dim contiguous; q a copy when g > 1), same math as forward.
 
         Eagerly this is one autograd node (_RotaryQK): q and k rotate in one set of elementwise ops, nothing is saved
         but the tables (the rotation's derivative is the inverse rotation), and backward writes the gradient of the
@@ -158,11 +182,14 @@ class RotaryEmbedding(nn.Module):
         """
         cos, sin = self.tables(qkv.dtype, offset, qkv.size(1))  # 2 x (T, head_dim/2)
         cos, sin = cos[:, None, None], sin[:, None, None]  # 2 x (T, 1, 1, head_dim/2)
+        g = qkv.size(3) - 2
         if torch.compiler.is_compiling():
-            x1, x2 = qkv[..., :2, :].chunk(2, dim=-1)  # 2 x (B, T, n_head, 2, head_dim/2)
-            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, n_head, 2, head_dim)
-            return qk[..., 0, :], qk[..., 1, :], qkv[..., 2, :]
-        return _RotaryQK.apply(qkv, cos, sin)
+            x1, x2 = qkv[..., : g + 1, :].chunk(2, dim=-1)  # 2 x (B, T, groups, g + 1, head_dim/2)
+            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, groups, g + 1, head_dim)
+            q, k, v = qk[..., :g, :], qk[..., g, :], qkv[..., g + 1, :]
+        else:
+            q, k, v = _RotaryQK.apply(qkv, cos, sin)
+        return q.reshape(*q.shape[:2], -1, q.size(-1)), k, v  # q a view for multi-head attention (g = 1)
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -178,34 +205,42 @@ def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 class _RotaryQK(torch.autograd.Function):
-    """Rotary embedding of the q and k of a packed qkv, (B, T, n_head, 3, head_dim): returns q, k (views of one new
-    (B, T, n_head, 2, head_dim) tensor) and v (a view of qkv). Backward assembles d(qkv) in one buffer."""
+    """Rotary embedding of the queries and keys of a packed qkv, (B, T, groups, g + 2, head_dim): returns q (B, T,
+    groups, g, head_dim) and k (views of one new (B, T, groups, g + 1, head_dim) tensor) and v (a view of qkv).
+    Backward assembles d(qkv) in one buffer."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        qk = qkv.new_empty(*qkv.shape[:3], 2, qkv.size(-1))  # (B, T, n_head, 2, head_dim)
-        _rotate_into(qk, qkv[..., :2, :], cos, sin)
+        g = qkv.size(3) - 2
+        qk = qkv.new_empty(*qkv.shape[:3], g + 1, qkv.size(-1))  # (B, T, groups, g + 1, head_dim)
+        _rotate_into(qk, qkv[..., : g + 1, :], cos, sin)
         ctx.save_for_backward(cos, sin)
-        return qk[..., 0, :], qk[..., 1, :], qkv[..., 2, :]  # 3 x (B, T, n_head, head_dim)
+        ctx.g = g
+        return qk[..., :g, :], qk[..., g, :], qkv[..., g + 1, :]
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        grad = dq.new_empty(*dq.shape[:3], 3, dq.size(-1))  # (B, T, n_head, 3, head_dim), the qkv layout
-        for i, d in enumerate((dq, dk)):
-            if d is None:
-                grad[..., i, :].zero_()
-            else:
-                _rotate_into(grad[..., i, :], d, cos[..., 0, :], -sin[..., 0, :])  # (T, 1, head_dim/2) tables
-        if dv is None:
-            grad[..., 2, :].zero_()
+        g, like = ctx.g, next(d for d in (dk, dv, dq) if d is not None)
+        grad = like.new_empty(*like.shape[:3], g + 2, like.size(-1))  # (B, T, groups, g + 2, head_dim)
+        if dq is None:
+            grad[..., :g, :].zero_()
         else:
-            grad[..., 2, :].copy_(dv)
+            _rotate_into(grad[..., :g, :], dq, cos, -sin)  # cos, sin (T, 1, 1, head_dim/2) broadcast over g
+        if dk is None:
+            grad[..., g, :].zero_()
+        else:
+            _rotate_into(grad[..., g, :], dk, cos[..., 0, :], -sin[..., 0, :])  # (T, 1, head_dim/2) tables
+        if dv is None:
+            grad[..., g + 1, :].zero_()
+        else:
+            grad[..., g + 1, :].copy_(dv)
         return grad, None, None
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention with rotary q/k; causal for the clm objective, bidirectional for mlm."""
+    """Multi-head (or grouped-query, --model.n_kv_head) self-attention with rotary q/k; causal for the clm objective,
+    bidirectional for mlm."""
 
     def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None):
         super().__init__()
@@ -213,21 +248,25 @@ class SelfAttention(nn.Module):
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"--model.d_model={cfg.d_model} is not divisible by --model.n_head={cfg.n_head}")
         self.head_dim = cfg.d_model // cfg.n_head
+        # Grouped-query attention (--model.n_kv_head): `group` query heads share each key/value head.
+        self.group = cfg.n_head // (cfg.n_kv_head or cfg.n_head)
         self.causal = cfg.objective == "clm"
         self.dropout = cfg.dropout
         self.kernel = cfg.attention
-        # Fused projection whose 3*d outputs are laid out per head as (n_head, 3, head_dim), the
-        # Megatron layout: splitting the output dimension into contiguous shards gives each
-        # tensor-parallel rank whole heads with their own q, k and v.
-        self.qkv = layers.column(cfg.d_model, 3 * cfg.d_model)
+        # Fused projection whose outputs are laid out per key/value head as (n_kv_head, group + 2, head_dim): its
+        # group query heads, its key, its value (multi-head: (n_head, 3, head_dim)), the Megatron layout: splitting
+        # the output dimension into contiguous shards gives each tensor-parallel rank whole groups.
+        rows = (cfg.n_head + 2 * (cfg.n_kv_head or cfg.n_head)) * self.head_dim
+        self.qkv = layers.column(cfg.d_model, rows)
         # --model.biases qkv: one per output row, split by heads like the rows.
-        self.qkv_bias = layers.channels(torch.zeros(3 * cfg.d_model)) if "qkv" in cfg.biases else None
+        self.qkv_bias = layers.channels(torch.zeros(rows)) if "qkv" in cfg.biases else None
         self.proj = layers.row(cfg.d_model, cfg.d_model)
         # --model.biases attention_out: a bias after the output projection (replicated; added once, after a
         # tensor-parallel row-parallel projection's reduction).
         self.proj_bias = nn.Parameter(torch.zeros(cfg.d_model)) if "attention_out" in cfg.biases else None
         scaling = (cfg.rope_scaling, cfg.rope_factor, rope_original_max_len(cfg))
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta, *scaling)
+        llama3 = (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta, *scaling, llama3)
         # Selective activation checkpointing: a checkpoint function (fn(function, *args)) that recomputes
         # only the attention core in backward; its saved tensors are the largest per FLOP. None: keep them.
         self.recompute_core: Callable | None = None
@@ -253,9 +292,11 @@ class SelfAttention(nn.Module):
         B, T, _ = x.shape
         qkv = self.qkv(x)  # (B, T, 3 d_model)
         qkv = qkv if self.qkv_bias is None else qkv + self.qkv_bias.to(qkv.dtype)
-        qkv = qkv.view(B, T, -1, 3, self.head_dim)  # (B, T, n_head, 3, head_dim)
+        qkv = qkv.view(B, T, -1, self.group + 2, self.head_dim)  # (B, T, groups, group + 2, head_dim)
         offset = self.sequence_rank * T  # global position of this chunk's first token
-        q, k, v = self.rotary.rotate_qkv(qkv, offset)  # 3 x (B, T, n_head, head_dim), views
+        q, k, v = self.rotary.rotate_qkv(qkv, offset)  # (B, T, n_head, head_dim), 2 x (B, T, groups, head_dim)
+        if self.group > 1:  # each key/value head repeated for its group's query heads (every kernel takes n_head)
+            k, v = (x.unsqueeze(3).expand(-1, -1, -1, self.group, -1).reshape(q.shape) for x in (k, v))
         # Strided views in the kernels' (B, n_head, T, head_dim) layout: no copy, and flash-attn gets them back as
         # (B, T, n_head, head_dim) views.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # 3 x (B, n_head, T, head_dim)
@@ -273,23 +314,38 @@ class SelfAttention(nn.Module):
 
 
 # --model.mlp_activation -> the gate's activation of block `index` (None: no activation).
-GATES = {"silu": lambda index: F.silu, "gelu": lambda index: F.gelu, "gelu_first": lambda i: F.gelu if i == 0 else None}
+# --model.mlp_activation -> the activation of block `index` (None: no activation).
+GATES = {
+    "silu": lambda index: F.silu,
+    "gelu": lambda index: F.gelu,
+    "gelu_tanh": lambda index: functools.partial(F.gelu, approximate="tanh"),
+    "gelu_first": lambda i: F.gelu if i == 0 else None,
+}
 
 
 class MLP(nn.Module):
     """Gated feed-forward: w_down(act(w_gate(x)) * w_up(x)), no biases; act by --model.mlp_activation (SwiGLU's silu
-    by default) for the model's block `index`."""
+    by default) for the model's block `index`. --model.mlp_gated false: the plain w_down(act(w_up(x))) (no w_gate),
+    with --model.biases mlp a bias after each linear (up_bias split like w_up's rows, down_bias replicated)."""
 
     def __init__(self, cfg: ModelConfig, layers: DenseLayers | None = None, index: int = 0):
         super().__init__()
         layers = layers or DenseLayers()
         hidden = d_ff(cfg)
-        self.w_gate = layers.column(cfg.d_model, hidden)
+        self.w_gate = layers.column(cfg.d_model, hidden) if cfg.mlp_gated else None
         self.w_up = layers.column(cfg.d_model, hidden)
         self.w_down = layers.row(hidden, cfg.d_model)
+        biased = "mlp" in cfg.biases
+        self.up_bias = layers.channels(torch.zeros(hidden)) if biased else None
+        self.down_bias = nn.Parameter(torch.zeros(cfg.d_model)) if biased else None
         self.act = GATES[cfg.mlp_activation](index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w_gate is None:  # plain
+            up = self.w_up(x)  # (B, T, d_ff)
+            up = up if self.up_bias is None else up + self.up_bias.to(up.dtype)
+            out = self.w_down(up if self.act is None else self.act(up))  # (B, T, d_model)
+            return out if self.down_bias is None else out + self.down_bias.to(out.dtype)
         gate = self.w_gate(x)  # (B, T, d_ff)
         h = (gate if self.act is None else self.act(gate)) * self.w_up(x)  # (B, T, d_ff)
         return self.w_down(h)  # (B, T, d_model)

@@ -97,10 +97,18 @@ class TransformerShape:
     causal: bool = True
     """Count attention FLOPs in the causal convention (Megatron-LM, flops.py): a clm model; False for mlm, or to
     reproduce a count that took every score (the Megatron-LM 2019 calibration in tests/test_plan.py)."""
+    n_kv_head: int | None = None
+    """Key/value heads of grouped-query attention (--model.n_kv_head); None: n_head."""
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output rows of the fused qkv projection: n_head query heads, n_kv_head key and value heads."""
+        return self.d_model + 2 * (self.n_kv_head or self.n_head) * (self.d_model // self.n_head)
 
     def describe(self) -> str:
         """The shape as `megagenome plan` prints it."""
-        return f"d_model {self.d_model}, {self.n_layer} layers, {self.n_head} heads, d_ff {self.d_ff}"
+        kv = f" ({self.n_kv_head} key/value)" if self.n_kv_head not in (None, self.n_head) else ""
+        return f"d_model {self.d_model}, {self.n_layer} layers, {self.n_head} heads{kv}, d_ff {self.d_ff}"
 
     def param_numels(self, tp: int = 1) -> list[int]:
         """Elements of each parameter tensor one of `tp` tensor-parallel ranks holds, in model order."""
@@ -112,7 +120,8 @@ class TransformerShape:
 
     def param_shapes(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
         """(shape, is a hidden matrix) of each parameter a rank holds: what optimizer-state bytes depend on."""
-        return model_shapes(self.d_model, self.d_ff, self.n_layer, self.padded_vocab, self.tie_embeddings, tp)
+        return model_shapes(self.d_model, self.d_ff, self.n_layer, self.padded_vocab, self.tie_embeddings, tp,
+                            self.qkv_rows)  # fmt: skip
 
     def n_params(self, tp: int = 1) -> int:
         return n_params(self, tp)
@@ -157,7 +166,7 @@ def _param_table(shape: TransformerShape, tp: int = 1) -> list[tuple[int, bool]]
     d, f = shape.d_model, shape.d_ff
     out = [(shape.padded_vocab * d // tp, True)]  # token embedding (a vocabulary block under tensor parallelism)
     for _ in range(shape.n_layer):
-        out += [(d, False), (3 * d * d // tp, True), (d * d // tp, True)]  # attn_norm, qkv, proj
+        out += [(d, False), (shape.qkv_rows * d // tp, True), (d * d // tp, True)]  # attn_norm, qkv, proj
         out += [(d, False), (d * f // tp, True), (d * f // tp, True), (f * d // tp, True)]  # mlp_norm, SwiGLU
     out.append((d, False))  # final norm
     if not shape.tie_embeddings:
@@ -183,7 +192,7 @@ def param_groups(shape: TransformerShape, tp: int = 1) -> tuple[list[int], list[
 
 def block_params(shape: TransformerShape, tp: int = 1) -> int:
     d, f = shape.d_model, shape.d_ff
-    return 2 * d + (4 * d * d + 3 * d * f) // tp
+    return 2 * d + ((shape.qkv_rows + d) * d + 3 * d * f) // tp
 
 
 def block_terms(
@@ -292,7 +301,7 @@ def recompute_flops_per_token(shape: TransformerShape, seq: int, policy: str, ea
         shape.d_model,
         seq,
         policy,
-        flops.block_parameters(shape.d_model, shape.d_ff),
+        block_params(shape),
         d_ff=shape.d_ff,
         early_stop=early_stop,
         dropout=shape.dropout,
@@ -300,11 +309,15 @@ def recompute_flops_per_token(shape: TransformerShape, seq: int, policy: str, ea
     )
 
 
-def model_shapes(d_model: int, d_ff: int, n_layer: int, padded_vocab: int, tied: bool, tp: int = 1) -> list:
-    """(shape, is a hidden matrix) of each parameter a rank holds, as DNATransformer builds them (tied once)."""
+def model_shapes(
+    d_model: int, d_ff: int, n_layer: int, padded_vocab: int, tied: bool, tp: int = 1, qkv_rows: int | None = None
+) -> list:
+    """(shape, is a hidden matrix) of each parameter a rank holds, as DNATransformer builds them (tied once);
+    qkv_rows: the fused projection's output rows (default 3 d_model, multi-head attention)."""
     d, f = d_model, d_ff
+    qkv = 3 * d if qkv_rows is None else qkv_rows
     out = [((padded_vocab // tp, d), False)]
-    block = [((d,), False), ((3 * d // tp, d), True), ((d, d // tp), True), ((d,), False)]
+    block = [((d,), False), ((qkv // tp, d), True), ((d, d // tp), True), ((d,), False)]
     block += [((f // tp, d), True), ((f // tp, d), True), ((d, f // tp), True)]
     out += block * n_layer + [((d,), False)]
     return out if tied else out + [((padded_vocab // tp, d), False)]

@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig, d_ff
-from megagenome.config.shapes import standard_form
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer import flops
 from megagenome.model.transformer.costs import TransformerShape
-from megagenome.model.transformer.hf import LlamaForm
+from megagenome.model.transformer.hf import LlamaForm, llama_expressible
 from megagenome.model.transformer.model import DNATransformer
 from megagenome.model.vocabulary import table_rows
 
@@ -33,6 +32,7 @@ class TransformerFamily(ModelFamily):
         "attn.proj.weight": 1,
         "mlp.w_gate.weight": 0,
         "mlp.w_up.weight": 0,
+        "mlp.up_bias": 0,
         "mlp.w_down.weight": 1,
         "embed.weight": 0,
         "lm_head.weight": 0,
@@ -55,10 +55,13 @@ class TransformerFamily(ModelFamily):
 
     def parallel_rules(self, cfg: ModelConfig, vocab_size: int) -> ParallelRules:
         heads = f"--model.n_head={cfg.n_head}"
+        kv_heads = f"--model.n_kv_head={cfg.n_kv_head}"
         width = f"the MLP width d_ff={d_ff(cfg)} (--model.d_ff, default 8/3 x --model.d_model rounded up to 64)"
         rows = padded_vocab_size(table_rows(cfg, vocab_size))
         tensor = (
             Divisible(heads, cfg.n_head, ": each tensor-parallel rank computes whole attention heads"),
+            *([Divisible(kv_heads, cfg.n_kv_head, ": each tensor-parallel rank holds whole key/value groups")]
+              if cfg.n_kv_head else []),
             Divisible(width, d_ff(cfg)),
             Divisible(f"the padded vocabulary ({rows} rows)", rows, ": each tensor-parallel rank holds an equal block "
                       "of embedding rows"),
@@ -79,6 +82,7 @@ class TransformerFamily(ModelFamily):
             d_model=cfg.d_model,
             n_layer=cfg.n_layer,
             n_head=cfg.n_head,
+            n_kv_head=cfg.n_kv_head,
             d_ff=d_ff(cfg),
             vocab_size=vocab_size,
             padded_vocab=padded_vocab_size(table_rows(cfg, vocab_size)),
@@ -105,9 +109,9 @@ class TransformerFamily(ModelFamily):
         return name.startswith("blocks.")
 
     def huggingface(self, cfg: ModelConfig) -> LlamaForm | None:
-        """A causal transformer is a LlamaForCausalLM; a masked one, or one with a published model's norm, MLP or
-        biases (config/shapes.py standard_form), which Llama does not compute, has no Hugging Face form here."""
-        return LlamaForm(cfg) if cfg.objective == "clm" and standard_form(cfg) else None
+        """A causal transformer is a LlamaForCausalLM; a masked one, or one with a norm, MLP or biases Llama does
+        not compute (hf.py llama_expressible), has no Hugging Face form here."""
+        return LlamaForm(cfg) if llama_expressible(cfg) else None
 
     def describe(self, cfg: ModelConfig) -> str:
         return f"d_model {cfg.d_model}, {cfg.n_layer} blocks, {cfg.n_head} heads, context {cfg.max_seq_len}"
