@@ -1,7 +1,7 @@
 """`megagenome import --format hyenadna` and `export --format hyenadna` against HyenaDNA's own code
 (model/hyena/hyenadna.py).
 
-The oracle is HyenaDNA's standalone HyenaDNAModel as the `helical` package ships it (tests/support/hyenadna_oracle.py
+The oracle is HyenaDNA's standalone HyenaDNAModel as the `helical` package ships it (tests/support/helical_oracles.py
 loads its file without helical's model zoo). A small HyenaDNAModel in the published configs' form (the `layer`
 section of LongSafari/hyenadna-*-seqlen: emb_dim 5, lr_pos_emb 0, the order-2 operator; two inner filter layers and
 the decay shift by HyenaDNA's defaults; a 12-token character table padded to 16 rows) with random unit-gain weights
@@ -20,8 +20,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from support.helical_oracles import hyenadna as hyenadna_code
 from support.helpers import REPO, cli_here, run_config
-from support.hyenadna_oracle import standalone
 from support.import_checks import first_step, import_into, import_refused, relative, tokens, unit_gain_
 
 from megagenome.after_training.inference import load_model
@@ -38,7 +38,7 @@ CONFIG = {"d_model": 32, "n_layer": 2, "d_inner": 128, "vocab_size": 12, "resid_
 
 
 def build(config: dict):
-    return standalone().HyenaDNAModel(**{**config, "layer": dict(config["layer"])}).eval()
+    return hyenadna_code().HyenaDNAModel(**{**config, "layer": dict(config["layer"])}).eval()
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,9 @@ from jsonargparse import ArgumentParser
 
 from .args import Parsed
 
-HELP = "Import a published checkpoint (Evo 2, Evo 1, HyenaDNA, GPN, Llama) as a megagenome export directory."
+HELP = "Import a published checkpoint (Evo 2, Evo 1, HyenaDNA, Caduceus, GPN, Llama) as a megagenome export."
 # model/__init__.py PUBLISHED, not imported here (the parser stays torch-free); tests/test_cli.py checks they agree.
-FORMATS = ("evo2", "evo1", "hyenadna", "gpn", "llama")
+FORMATS = ("evo2", "evo1", "hyenadna", "caduceus", "gpn", "llama")
 
 
 def parser() -> ArgumentParser:
@@ -35,8 +35,9 @@ def parser() -> ArgumentParser:
         required=True,
         help="The published layout: evo2 (Evo 2's vortex .pt with its YAML config as --source_config), evo1 (Evo 1's "
         "Hugging Face checkpoint or a stripedhyena state dict), hyenadna (the original HyenaDNA: config.json with "
-        "its layer section and weights.ckpt), gpn (the gpn package's GPNForMaskedLM, convnet "
-        "encoder), llama (a transformers LlamaForCausalLM directory whose tokenizer has single-base tokens).",
+        "its layer section and weights.ckpt), caduceus (Caduceus-Ph's Hugging Face checkpoint), gpn (the gpn "
+        "package's GPNForMaskedLM, convnet encoder), llama (a transformers LlamaForCausalLM directory whose "
+        "tokenizer has single-base tokens).",
     )
     parser.add_argument("--output", type=str, required=True, help="Export directory to create (must not exist).")
     parser.add_argument(

@@ -10,6 +10,7 @@ published checkpoints' layouts (published.py; PUBLISHED holds them by `megagenom
 
 from megagenome.model.attention import attention_backend, attention_summary
 from megagenome.model.caduceus import CADUCEUS
+from megagenome.model.caduceus.published import CADUCEUS_FORMAT
 from megagenome.model.family import ModelFamily
 from megagenome.model.gpn import GPN
 from megagenome.model.gpn.published import GPN_FORMAT
@@ -24,7 +25,7 @@ from megagenome.model.transformer.llama import LLAMA_FORMAT
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (TRANSFORMER, HYENA, STRIPED_HYENA, CADUCEUS, GPN)}
 # The published checkpoints' layouts by `megagenome import --format` name (model/published.py).
 PUBLISHED: dict[str, PublishedFormat] = {
-    f.name: f for f in (EVO2_FORMAT, EVO1_FORMAT, HYENADNA_FORMAT, GPN_FORMAT, LLAMA_FORMAT)
+    f.name: f for f in (EVO2_FORMAT, EVO1_FORMAT, HYENADNA_FORMAT, CADUCEUS_FORMAT, GPN_FORMAT, LLAMA_FORMAT)
 }
 
 

@@ -71,4 +71,4 @@ def complement(cfg, vocab_size: int) -> torch.Tensor:
     vocabulary, rows = vocabulary_of(cfg), table_rows(cfg, vocab_size)
     if vocabulary.own:
         return rc.complement_index(rows)
-    return rc.row_complement_index(rows, torch.tensor(vocabulary.ids))
+    return rc.row_complement_index(rows, vocabulary.ids)

@@ -30,6 +30,7 @@ from megagenome.model.caduceus.mamba import CaduceusBlock
 from megagenome.model.family import PipelineLayers
 from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_
 from megagenome.model.stack import BlockStack
+from megagenome.model.vocabulary import vocabulary_of
 
 
 class CaduceusLM(BlockStack):
@@ -55,7 +56,8 @@ class CaduceusLM(BlockStack):
         self.lm_head = layers.head(cfg.d_model, self.padded_vocab_size, tied=tied, gather=True)
         self.register_buffer("complement", rc.complement_index(self.padded_vocab_size), persistent=False)
         # The complement in a published token table's rows (None: megagenome's, where rows are its ids).
-        rows = None if self.token_rows is None else rc.row_complement_index(self.padded_vocab_size, self.token_rows)
+        ids = vocabulary_of(cfg).ids  # plain ints: the buffer may be on the meta device (parameter counting)
+        rows = None if self.token_rows is None else rc.row_complement_index(self.padded_vocab_size, ids)
         self.register_buffer("_row_complement", rows, persistent=False)
         self.finish_init(layers)
         self.token_loss = None  # the head gathers its logits: cross entropy of the whole logits

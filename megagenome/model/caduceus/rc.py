@@ -14,6 +14,8 @@ the plain stack's on the batch [x; rc(x)]. unfold() gives the 2d stream of hidde
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 # data/tokenizer.py VOCAB order: <pad> <mask> <sep> A C G T N -> its complement's id.
@@ -28,7 +30,7 @@ def complement_index(rows: int) -> torch.Tensor:
     return table
 
 
-def row_complement_index(rows: int, token_rows: torch.Tensor) -> torch.Tensor:
+def row_complement_index(rows: int, token_rows: Sequence[int]) -> torch.Tensor:
     """(rows,) int64: complement_index in a published token table's rows (model/vocabulary.py), token_rows the row
     of each megagenome token: the rows of A, C, G, T swapped as theirs are, every other row itself."""
     table = torch.arange(rows)
