@@ -129,3 +129,13 @@ def test_the_published_config_maps_to_the_shipped_one():
     got = PUBLISHED["hyenadna"].model_config(published)
     want, _ = run_config(["--config", str(REPO / "configs" / "hyenadna_small.yaml")])
     assert asdict(got) == asdict(want.model)
+
+
+def test_zero3_offload_bf16_continue_from_the_import(hyenadna, imported, tmp_path):
+    """The same first step under ZeRO-3 with parameters and optimizer offloaded to the host, in bf16: HyenaDNA's
+    fp32 loss to bf16's precision."""
+    _, theirs = hyenadna
+    loss, batch = first_step(imported, tmp_path, ds_config=["zero3_offload.json", "bf16.json"])
+    ce = F.cross_entropy(logits(theirs, batch["input_ids"]).flatten(0, 1), ROWS[batch["labels"]].flatten()).item()
+    print(f"hyenadna under ZeRO-3 offload bf16: first step's loss {loss:.4f}, HyenaDNA's fp32 {ce:.4f}")
+    assert abs(loss - ce) <= 2e-2 * ce

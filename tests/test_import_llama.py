@@ -123,3 +123,30 @@ def test_pretraining_continues_from_the_import_with_transformers_loss(llama, imp
     ce = F.cross_entropy(their_logits(theirs, ids).flatten(0, 1), ROWS[labels].flatten()).item()
     print(f"llama continued pretraining: first step's loss {loss:.6f}, transformers' on its batch {ce:.6f}")
     assert abs(loss - ce) <= 1e-5 * ce
+
+
+def test_zero3_offload_bf16_continue_from_the_import(llama, imported, tmp_path):
+    """The same first step under ZeRO-3 with parameters and optimizer offloaded to the host, in bf16: the partitioned
+    import (a grouped-query qkv, the tokenizer's table) gives transformers' fp32 loss to bf16's precision."""
+    _, theirs = llama
+    loss, batch = first_step(imported, tmp_path, ds_config=["zero3_offload.json", "bf16.json"])
+    ce = F.cross_entropy(their_logits(theirs, batch["input_ids"]).flatten(0, 1), ROWS[batch["labels"]].flatten())
+    print(f"llama under ZeRO-3 offload bf16: first step's loss {loss:.4f}, transformers' fp32 {ce.item():.4f}")
+    assert abs(loss - ce.item()) <= 2e-2 * ce.item()
+
+
+def test_context_extension_from_the_import_is_transformers_extension(llama, imported, tmp_path):
+    """Continued pretraining at a longer context than the import's (384-base windows past its 256 positions, Llama
+    3.1's rotary factor 4 -> 8): the first step's loss is that of transformers' own model with the same weights and
+    the same rope_parameters change."""
+    _, theirs = llama
+    flags = ("--model.max_seq_len", "512", "--model.rope_factor", "8")
+    loss, batch = first_step(imported, tmp_path, flags=flags, seq_len=384)
+    extended = {**CONFIG, "max_position_embeddings": 512, "rope_parameters": {**ROPE, "factor": 8.0}}
+    again = LlamaForCausalLM(LlamaConfig(**extended)).eval()
+    again.load_state_dict(theirs.state_dict())
+    ids = batch["input_ids"]
+    assert ids.shape[1] == 384
+    ce = F.cross_entropy(their_logits(again, ids).flatten(0, 1), ROWS[batch["labels"]].flatten()).item()
+    print(f"llama extended to 512 positions: first step's loss {loss:.6f}, transformers' {ce:.6f}")
+    assert abs(loss - ce) <= 1e-5 * ce

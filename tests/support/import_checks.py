@@ -13,7 +13,7 @@ import torch
 from megagenome.data import tokenizer
 from megagenome.data.dataset import build_genome_data
 from megagenome.model.vocabulary import VOCABULARIES
-from support.helpers import cli, cli_here, copy_genome, run_config, tiny_config, write_yaml
+from support.helpers import REPO, cli, cli_here, copy_genome, run_config, tiny_config, write_yaml
 
 BYTES = torch.tensor(VOCABULARIES["bytes"].ids)  # each megagenome token's byte (Evo 1 and Evo 2)
 
@@ -66,18 +66,23 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def first_step(imported: str, tmp_path: pathlib.Path, **data) -> tuple[float, dict[str, torch.Tensor]]:
+def first_step(
+    imported: str, tmp_path: pathlib.Path, ds_config: list[str] | None = None, flags: tuple[str, ...] = (), **data
+) -> tuple[float, dict[str, torch.Tensor]]:
     """(the first step's logged loss, its batch) of `pretrain --config RUN.yaml --config IMPORTED/model.yaml
     --model.init_from IMPORTED`: the line `megagenome import` prints, RUN.yaml the tiny config without a model
-    section (data: overrides of its data section). The batch is rebuilt from the same config: the same seeded
-    windows, reverse complements and masks."""
+    section (data: overrides of its data section; ds_config: names of ds_configs/ fragments to train with
+    instead of zero0.json; flags: more command-line flags, after the import's). The batch is rebuilt from the
+    same config: the same seeded windows, reverse complements and masks."""
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path / "genome")
     run = tiny_config(tmp_path, fasta, tmp_path / "run", train__max_steps=2, train__warmup_steps=1,
                       train__eval_interval=0)  # fmt: skip
     del run["model"]  # the import's model.yaml gives it
+    if ds_config:  # the DeepSpeed JSON fragments of ds_configs/ (default: zero0.json, fp32)
+        run["train"]["ds_config"] = [str(REPO / "ds_configs" / name) for name in ds_config]
     run["data"].update(data)
     argv = ["--config", write_yaml(tmp_path / "run.yaml", run), "--config", os.path.join(imported, "model.yaml"),
-            "--model.init_from", imported]  # fmt: skip
+            "--model.init_from", imported, *flags]  # fmt: skip
     proc = cli("pretrain", *argv, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
