@@ -30,7 +30,9 @@ def parser() -> ArgumentParser:
         type=str,
         default="megagenome",
         help="megagenome (a megagenome export directory, above), or a published layout that its authors' code "
-        "loads (the formats of `megagenome import`: evo2, evo1, gpn): their config.json and model.safetensors.",
+        "loads (the formats of `megagenome import`: evo2, evo1, hyenadna, caduceus, gpn, llama): their config and "
+        "weights files (evo2: config.yml and model.pt; hyenadna: config.json and pytorch_model.bin; the others "
+        "config.json and model.safetensors).",
     )
     parser.add_argument(
         "--quantize",
