@@ -198,7 +198,8 @@ def test_ulysses_attention_equals_full_attention(sp_runs):
                 limits = {
                     "logits": LOGITS_ATOL[dtype],
                     "loss": LOSS_ATOL[dtype],
-                    "nll": LOSS_ATOL[dtype] * 10,
+                    # a float32 sum over the batch in every dtype: 10x the loss's bound, or 2 float32 ulps of it
+                    "nll": max(LOSS_ATOL[dtype] * 10, 2.4e-7 * diffs["nll_scale"]),
                     "weight": 1e-4,
                     "grad": GRAD_RTOL[dtype] * diffs["grad_scale"],
                 }

@@ -23,6 +23,7 @@ from megagenome.parallel.sequence import shard_batch
 from megagenome.parallel.sequence_conv import ConvExchange
 from megagenome.parallel.state import ParallelState
 from megagenome.train import engine
+from support.hyena_checks import MODELS as FORMS  # the imported forms of the tensor-parallel check
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -77,12 +78,14 @@ def _model_case(sp_attention, group, rank: int, sp: int, objective: str, checkpo
     return _compare(ref, model, batch, group, rank, sp)
 
 
-def _hyena_case(sp_attention, group, rank: int, sp: int, family: str, checkpointing: str, dtype, mr: int = 12) -> dict:
+def _hyena_case(
+    sp_attention, group, rank: int, sp: int, family: str, checkpointing: str, dtype, mr: int = 12, **extra
+) -> dict:
     """A whole Hyena-family model (striped: one SE, MR, LI and attention layer; hyena: H layers) split over the sp
     ranks by the convolution exchanges (parallel/sequence_conv.py) and Ulysses attention, against the model on
     whole sequences: chunk logits, summed chunk losses, sp-summed gradients, with non-uniform loss weights."""
     cfg = ModelConfig(family=family, d_model=32, n_layer=4, n_head=4, max_seq_len=64, layer_pattern="SE MR LI A",
-                      mr_filter_len=mr, checkpointing=checkpointing)  # fmt: skip
+                      mr_filter_len=mr, checkpointing=checkpointing, **extra)  # fmt: skip
     batch = _weighted_batch(2, 32, 13)
     models = []
     for _ in range(2):
@@ -114,6 +117,7 @@ def _compare(ref, model, batch: dict, group, rank: int, sp: int) -> dict:
         "logits": _max_diff(logits_sp, logits[:, chunk]),
         "loss": abs(float(totals[0]) - float(loss)),
         "nll": abs(float(totals[1]) - float(nll)),
+        "nll_scale": abs(float(nll)),  # a float32 sum (the loss is float32 in every dtype): its ulp grows with it
         "weight": abs(float(totals[2]) - float(weight)),
         "grad": max(_max_diff(grads[n], p.grad) for n, p in ref.named_parameters()),
         "grad_scale": max(float(p.grad.abs().max()) for p in ref.parameters()),
@@ -177,6 +181,15 @@ def attention_equivalence(run_dir: str) -> None:
         results[f"hyena/{dname}/striped_hyena_mr40/none"] = _hyena_case(
             sp_attention, group, rank, world, "striped_hyena", "none", dtype, mr=40
         )
+        # The imported forms (tests/support/hyena_checks.py): Evo 2's (byte table, StripedHyena's norm, GELU in
+        # block 0 only, output biases, MR taps without decay) and HyenaDNA's (LayerNorm, the plain biased MLP, biased
+        # projections and short filter, two inner filter layers behind one sine, the decay shift, a 16-row table).
+        for form in ("evo2_form", "hyenadna_form"):
+            extra = {k: v for k, v in FORMS[form].items() if k not in ("n_layer", "layer_pattern", "mr_filter_len")}
+            family = extra.pop("family")
+            results[f"hyena/{dname}/{form}/none"] = _hyena_case(
+                sp_attention, group, rank, world, family, "none", dtype, **extra
+            )
     results["controls"] = _controls(sp_attention, rank, world)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
