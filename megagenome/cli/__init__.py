@@ -34,6 +34,7 @@ COMMANDS = {
     "eval": "eval",
     "score-variants": "score_variants",
     "embed": "embed",
+    "generate": "generate",
     "finetune": "finetune",
     "export": "export",
     "import": "import_checkpoint",

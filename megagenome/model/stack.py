@@ -23,6 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megagenome.config import ModelConfig
+from megagenome.model.decoding import DecodeState
 from megagenome.model.distill import Teacher, distill_sums
 from megagenome.model.family import PipelineLayers
 from megagenome.model.layers import RMSNorm
@@ -173,6 +174,33 @@ class BlockStack(nn.Module):
         x = self.embed(self.table_ids(input_ids))  # (B, T, d_model)
         x = self._run_blocks(x)  # (B, T, d_model)
         return self.norm(x)  # (B, T, d_model)
+
+    def can_cache(self) -> bool:
+        """Whether every block decodes from a cache (model/decoding.py; a block that can has new_cache)."""
+        return all(hasattr(block, "new_cache") for block in self.blocks)
+
+    def decode_state(self, batch: int, capacity: int) -> DecodeState:
+        """An empty DecodeState for `batch` sequences of up to `capacity` positions, on the model's device and
+        dtype."""
+        if capacity > self.cfg.max_seq_len:
+            raise ValueError(f"{capacity} positions are above --model.max_seq_len={self.cfg.max_seq_len} "
+                             f"({self.context_limit})")  # fmt: skip
+        weight = self.embed.weight
+        caches = [block.new_cache(batch, capacity, weight.dtype, weight.device) for block in self.blocks]
+        return DecodeState(caches, capacity)
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """The table logits (B, T, table_rows) of the next ids (B, T) at positions state.position.., their caches
+        written and the state advanced (model/decoding.py): the prompt's prefill, then one base per step."""
+        start = state.position
+        if start + input_ids.size(1) > state.capacity:
+            raise ValueError(f"decoding past the cache's {state.capacity} positions")
+        x = self.embed(self.table_ids(input_ids))  # (B, T, d_model)
+        for block, cache in zip(self.blocks, state.caches, strict=True):
+            x = block(x, cache=cache, start=start)  # (B, T, d_model)
+        state.position = start + input_ids.size(1)
+        return self.lm_head(self.norm(x))[..., : self.table_rows]  # (B, T, table_rows)
 
     def layer_states(self, input_ids: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """The hidden states at `layers` from one forward pass of input_ids (B, T): {layer: (B, T, d_model)} in the

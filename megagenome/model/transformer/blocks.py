@@ -17,6 +17,7 @@ from torch import nn
 
 from megagenome.config import ModelConfig, d_ff
 from megagenome.model.attention import attention
+from megagenome.model.decoding import KVCache
 from megagenome.model.layers import DenseLayers, RMSNorm
 
 # YaRN's ramp bounds (Peng et al. 2023; transformers' defaults): frequencies turning more than BETA_FAST times over
@@ -288,13 +289,25 @@ class SelfAttention(nn.Module):
                 return attention(q, k, v, causal=self.causal, dropout_p=dropout_p, kernel=self.kernel)
         return attention(q, k, v, causal=self.causal, dropout_p=dropout_p, kernel=self.kernel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def new_cache(self, batch: int, capacity: int, dtype, device) -> KVCache:
+        """An empty key/value cache of `capacity` positions (model/decoding.py)."""
+        groups = self.qkv.weight.size(0) // ((self.group + 2) * self.head_dim)  # this layer's (rank's) groups
+        return KVCache.empty(batch, groups, capacity, self.head_dim, dtype, device)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """x (B, T, d_model) -> (B, T, d_model). With a cache (decoding, model/decoding.py): x holds positions
+        start..start+T-1, their keys and values are written into it, and from start > 0 on the queries attend over
+        every cached position up to their own."""
         B, T, _ = x.shape
         qkv = self.qkv(x)  # (B, T, 3 d_model)
         qkv = qkv if self.qkv_bias is None else qkv + self.qkv_bias.to(qkv.dtype)
         qkv = qkv.view(B, T, -1, self.group + 2, self.head_dim)  # (B, T, groups, group + 2, head_dim)
-        offset = self.sequence_rank * T  # global position of this chunk's first token
+        offset = self.sequence_rank * T if cache is None else start  # global position of the first token
         q, k, v = self.rotary.rotate_qkv(qkv, offset)  # (B, T, n_head, head_dim), 2 x (B, T, groups, head_dim)
+        if cache is not None:
+            cache.write(k, v, start)
+            if start > 0:
+                return self._out(self._attend_cache(q.transpose(1, 2), cache, start + T))
         if self.group > 1:  # each key/value head repeated for its group's query heads (every kernel takes n_head)
             k, v = (x.unsqueeze(3).expand(-1, -1, -1, self.group, -1).reshape(q.shape) for x in (k, v))
         # Strided views in the kernels' (B, n_head, T, head_dim) layout: no copy, and flash-attn gets them back as
@@ -308,6 +321,23 @@ class SelfAttention(nn.Module):
             y = self.sequence_parallel(core, q, k, v)  # (B, n_head, T, head_dim)
         else:
             y = core(q, k, v)  # (B, n_head, T, head_dim)
+        return self._out(y)
+
+    def _attend_cache(self, q: torch.Tensor, cache: KVCache, end: int) -> torch.Tensor:
+        """Queries q (B, n_head, T, head_dim) at positions end-T..end-1 over the cached keys and values 0..end-1:
+        (B, n_head, T, head_dim). One query (a decoding step) sees every cached position; several see up to their
+        own."""
+        B, H, T, hd = q.shape
+        keys, values = (c[:, :, :end].unsqueeze(2).expand(-1, -1, self.group, -1, -1).reshape(B, H, end, hd)
+                        for c in (cache.k, cache.v))  # fmt: skip
+        if T == 1:
+            return attention(q, keys, values, causal=False, kernel=self.kernel)
+        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(end - T, end, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, n_head, T, head_dim)
+
+    def _out(self, y: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention output y (B, n_head, T, head_dim): (B, T, d_model)."""
+        B, _, T, _ = y.shape
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * head_dim)
         out = self.proj(y)  # (B, T, d_model)
         return out if self.proj_bias is None else out + self.proj_bias.to(out.dtype)
@@ -377,7 +407,12 @@ class Block(nn.Module):
         self.attn.sequence_parallel = attention
         self.attn.sequence_rank = rank
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))  # (B, T, d_model)
+    def new_cache(self, batch: int, capacity: int, dtype, device) -> KVCache:
+        """The attention's key/value cache for decoding (model/decoding.py)."""
+        return self.attn.new_cache(batch, capacity, dtype, device)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        h = self.attn_norm(x)
+        x = x + self.dropout(self.attn(h) if cache is None else self.attn(h, cache=cache, start=start))  # (B, T, d)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d_model)
         return x
