@@ -9,10 +9,10 @@ drawn): the logits divided by --temperature (0: the most likely base, greedy), c
 the smallest set whose probability reaches --top_p, renormalised. Sample i draws from its own generator, seeded
 from --seed and i, so a sample is the same whatever the batching and the number of ranks.
 
-Decoding is cached where the model allows it (model/decoding.py: every attention layer keeps its keys and values;
-the prompt runs once, as the training forward runs it, then one step per base); a model with blocks that cannot
-cache yet (the Hyena operators) recomputes the whole sequence so far at every step. The cache's memory is printed
-before the generation starts.
+Decoding is cached (model/decoding.py: attention layers keep their keys and values, Hyena operators their filters'
+states; the prompt runs once, as the training forward runs it, then one step per base); a model with a block that
+cannot cache would recompute the whole sequence so far at every step. The cache's memory is printed before the
+generation starts.
 
 Output: a FASTA record per sample (the prompt and the generated bases), its header naming the sample, the prompt,
 the settings and the model; with --scores a TSV of each generated base's log-probability (natural log, normalised

@@ -6,7 +6,7 @@ from jsonargparse import ArgumentParser
 
 from .args import Parsed, model_source
 
-HELP = "Sample DNA from a trained causal model: continue a prompt base by base (cached decoding where it can)."
+HELP = "Sample DNA from a trained causal model: continue a prompt base by base (cached decoding)."
 
 
 def parser() -> ArgumentParser:
@@ -15,10 +15,10 @@ def parser() -> ArgumentParser:
         description="Continue a prompt (--prompt, each record of --prompt_fasta, or an empty prompt) by --length "
         "bases drawn from a causal model's next-base distribution over A, C, G and T, --num_samples times, and "
         "write a FASTA record per sample (the prompt and the generated bases; the header names the settings and the "
-        "model), and with --scores each generated base's log-probability. Attention layers decode from a key/value "
-        "cache; models with Hyena operators recompute the sequence so far at every step (for now). Masked-LM models "
-        "are refused. Runs in one process or under the deepspeed launcher (samples dealt over ranks; the same "
-        "samples). Exit status 2 on bad input, with nothing written.",
+        "model), and with --scores each generated base's log-probability. Decoding is cached: attention layers keep "
+        "their keys and values, Hyena operators their filters' states (the LI layers a recurrent state), so each base "
+        "costs one step. Masked-LM models are refused. Runs in one process or under the deepspeed launcher (samples "
+        "dealt over ranks; the same samples). Exit status 2 on bad input, with nothing written.",
     )
     model_source(parser)
     parser.add_argument("--output", type=str, required=True, help="FASTA to write, one record per sample.")

@@ -12,9 +12,12 @@ What each block caches:
     attention (the transformer's Block, and striped_hyena's A layers)   keys and values, preallocated for the
         generation's capacity (n_kv_head heads: grouped-query attention caches its groups only); a step attends
         over the positions so far, cost linear in the context
+    a Hyena operator (model/hyena/decoding.py)   its featurizer's FIR state, and per filter: SE and MR a FIR state,
+        LI the modal recurrence (flat per step), H every input so far (linear per step)
 
-A model whose every block can cache decodes by its caches (BlockStack.can_cache); any other (the Hyena operators,
-for now) is decoded by full recompute, the whole sequence so far at every step (after_training/generation.py).
+A model whose every block can cache decodes by its caches (BlockStack.can_cache: every causal family does); a
+block without new_cache would make the model decode by full recompute, the whole sequence so far at every step
+(after_training/generation.py).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from megagenome.config import ModelConfig, layer_kinds
+from megagenome.model.hyena.decoding import HyenaCache, cached_forward
 from megagenome.model.hyena.operators import HyenaOperator
 from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_
 from megagenome.model.stack import BlockStack
@@ -46,8 +47,14 @@ class HyenaBlock(nn.Module):
         sequences. (attention and rank are the attention blocks'; a Hyena block needs neither.)"""
         self.mixer.exchange = exchange
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.mixer(self.mixer_norm(x)))  # (B, T, d_model)
+    def new_cache(self, batch: int, capacity: int, dtype, device) -> HyenaCache:
+        """The operator's decoding cache (decoding.py; model/decoding.py)."""
+        return HyenaCache(self.mixer, batch, capacity, dtype, device)
+
+    def forward(self, x: torch.Tensor, cache: HyenaCache | None = None, start: int = 0) -> torch.Tensor:
+        h = self.mixer_norm(x)
+        mixed = self.mixer(h) if cache is None else cached_forward(self.mixer, h, cache, start)
+        x = x + self.dropout(mixed)  # (B, T, d_model)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))  # (B, T, d_model)
         return x
 
