@@ -171,3 +171,18 @@ def test_refusals_write_nothing(exports, tmp_path):
     out.write_text(">kept\nACGT\n")
     proc = generate(exports["transformer"], out, "--length", "5")
     assert proc.returncode == 2 and "already exists" in proc.stderr and out.read_text() == ">kept\nACGT\n"
+
+
+def test_generate_over_two_ranks_writes_one_process_samples(trained, tmp_path):
+    """Under the launcher (support/generate_checks.py, in the shared 2-rank launch) the samples are dealt over the
+    ranks and written by rank 0: the same FASTA and scores, byte for byte, as one process's."""
+    from support.generate_checks import SETTINGS
+
+    from megagenome.after_training.generation import Options, run
+
+    two = trained.check_dir("generate_2ranks")
+    out = tmp_path / "one"
+    summary = run(Options(run=str(trained.run_dir("dense")), output=f"{out}.fa", scores=f"{out}.tsv", **SETTINGS))
+    assert summary["ranks"] == 1 and summary["samples"] == 5
+    assert (two / "samples.fa").read_text() == (tmp_path / "one.fa").read_text()
+    assert (two / "samples.tsv").read_text() == (tmp_path / "one.tsv").read_text()

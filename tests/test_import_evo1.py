@@ -125,3 +125,31 @@ def test_pretraining_continues_from_the_import_with_stripedhyenas_loss(evo1, imp
     ce = F.cross_entropy(byte_logits(theirs, ids).flatten(0, 1), BYTES[labels].flatten()).item()
     print(f"evo1 continued pretraining: first step's loss {loss:.6f}, stripedhyena's on its batch {ce:.6f}")
     assert abs(loss - ce) <= 1e-5 * ce
+
+
+def test_cached_generation_follows_stripedhyenas_recurrent_mode(evo1, imported):
+    """stripedhyena's own cached generation (its inference_params: the prompt prefilled by FFT, then its Hyena-LI
+    layers stepped by their recurrence) as the oracle of megagenome's cached decoding (model/hyena/decoding.py): from
+    the same prompt, greedy over A, C, G, T, 128 steps, both pick the same bases and give the same logits."""
+    _, theirs = evo1
+    model = load_model(imported).model
+    prompt = tokens(B=2, T=48, seed=11)
+    bases = BYTES[3:7]  # A C G T's bytes
+    params = theirs.initialize_inference_params()
+    params["mha"].max_batch_size = params["hyena"].max_batch_size = 2
+    with torch.no_grad():
+        want, params = theirs(BYTES[prompt], inference_params_dict=params)
+        state = model.decode_state(2, 48 + 128)
+        got = model.decode(prompt, state)
+        worst, scale = 0.0, 0.0
+        for step in range(128):
+            worst = max(worst, (got[:, -1] - want[:, -1]).abs().max().item())
+            scale = max(scale, want[:, -1].abs().max().item())
+            pick = want[:, -1][:, bases].argmax(-1)  # (2,): their greedy base
+            assert torch.equal(pick, got[:, -1][:, bases].argmax(-1)), step
+            offset = 48 + step  # stripedhyena's Generator sets the offsets so before each step
+            params["hyena"].seqlen_offset = params["mha"].seqlen_offset = offset
+            want, params = theirs(bases[pick][:, None], inference_params_dict=params)
+            got = model.decode(3 + pick[:, None], state)
+    print(f"evo1 cached generation: logits differ from stripedhyena's recurrent mode by {worst / scale:.3g}")
+    assert worst <= 1e-5 * scale

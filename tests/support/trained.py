@@ -39,6 +39,7 @@ AFTER: list[tuple[str, str, dict]] = [
     ("score_2ranks", "support.scoring_checks:score_two_ranks", {}),
     ("init_from_2ranks", "support.export_checks:init_from_two_ranks", {}),
     ("finetune_2ranks", "support.finetune_checks:finetune_two_ranks", {}),
+    ("generate_2ranks", "support.generate_checks:generate_two_ranks", {}),
 ]
 
 
