@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(harness.argv_of(argv))
     path = args.results / "generate.json"
     record = {} if args.fresh or not path.exists() else json.loads(path.read_text())
-    record.update({"date": harness.today(), "command": harness.command("benchmarks/generate.py", sys.argv[1:]),
+    record.update({"date": harness.today(), "command": harness.command("generate.py", harness.argv_of(argv)),
                    "hardware": harness.hardware(), "software": harness.software()})  # fmt: skip
     rows = record.setdefault("rows", [])
     done = {(r["size"], r["family"], r["prompt"]) for r in rows}
