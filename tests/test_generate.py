@@ -143,11 +143,14 @@ def test_generate_writes_samples_scores_and_is_reproducible(exports, tmp_path):
     assert other.returncode == 0 and read_fasta(tmp_path / "c.fa") != records
 
 
-def test_greedy_is_top_k_1(exports, tmp_path):
+def test_greedy_is_top_k_1_and_bf16_runs(exports, tmp_path):
     greedy = generate(exports["hyena"], tmp_path / "g.fa", "--length", "30", "--temperature", "0")
     top1 = generate(exports["hyena"], tmp_path / "k.fa", "--length", "30", "--top_k", "1", "--seed", "3")
     assert greedy.returncode == 0 and top1.returncode == 0, greedy.stderr + top1.stderr
     assert "cached decoding" in greedy.stderr
+    bf16 = generate(exports["hyena"], tmp_path / "b.fa", "--length", "30", "--dtype", "bf16", "--num_samples", "2")
+    assert bf16.returncode == 0, bf16.stderr
+    assert [len(s) for _, s in read_fasta(tmp_path / "b.fa").values()] == [30, 30]
     assert [s for _, s in read_fasta(tmp_path / "g.fa").values()] == [
         s for _, s in read_fasta(tmp_path / "k.fa").values()
     ]

@@ -213,7 +213,7 @@ def run(opts: Options, world: World | None = None) -> dict:
     batch = min(opts.batch_size, opts.num_samples)
     memory = cache_bytes(model, batch, longest)
     if world.main:
-        how = f"cached decoding, cache {memory / 2**20:.1f} MiB per batch of {batch}" if memory else "full recompute"
+        how = f"cached decoding, cache {memory / 2**20:.2f} MiB per batch of {batch}" if memory else "full recompute"
         print(f"{PROG}: {len(prompts)} prompt(s) x {opts.num_samples} sample(s) x {opts.length:,} bases; {how}",
               file=sys.stderr)  # fmt: skip
     from tqdm import tqdm
