@@ -132,10 +132,9 @@ def choose(logits: torch.Tensor, opts: Options, generators: list[torch.Generator
         cut = torch.zeros_like(probs).scatter(-1, order, (before >= opts.top_p).to(probs.dtype))
         probs = probs.masked_fill(cut.bool(), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
-    u = torch.tensor([torch.rand((), generator=g).item() for g in generators], dtype=probs.dtype)  # (B,), on the CPU
-    u = u.to(probs.device)
-    picked = (probs.cumsum(-1) < u[:, None]).sum(-1).clamp(max=len(BASES) - 1)  # inverse CDF
-    return A_ID + picked
+    probs = probs.cpu()  # each row drawn by its sample's own (CPU) generator
+    picked = [torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)]
+    return A_ID + torch.cat(picked).to(logits.device)
 
 
 def token_log_probs(model, table: torch.Tensor) -> torch.Tensor:
