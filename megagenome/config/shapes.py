@@ -86,8 +86,9 @@ def bidirectional_problems(m: ModelConfig) -> list[str]:
     return problems + published_form_problems(m)
 
 
-# The options a published model's import sets (model/hyena/evo2.py, evo1.py), with their defaults: the transformer
-# and Hyena blocks implement them; the bidirectional families' blocks have their own norms and no gated MLP.
+# The options a published model's import sets (model/hyena/evo2.py, evo1.py, hyenadna.py), with their defaults: the
+# transformer and Hyena blocks implement them; the bidirectional families' blocks have their own norms and no gated
+# MLP.
 PUBLISHED_FORM = {"norm_form": "rsqrt", "mlp_activation": "silu", "mlp_gated": True, "biases": [], "mr_decay": True,
                   "filter_inner_layers": 1, "filter_shared_sine": False, "filter_decay_shift": 0.0}  # fmt: skip
 # The family each option of PUBLISHED_FORM belongs to where it is not the transformer's and the Hyena families'.

@@ -124,12 +124,13 @@ def llama_names(cfg: ModelConfig) -> list[str]:
 
 def llama_expressible(cfg: ModelConfig) -> bool:
     """Whether LlamaForCausalLM computes cfg's model: a causal transformer with Llama's RMSNorm, a SiLU or GELU gated
-    MLP, and biases on all of q, k, v and o_proj (Llama's attention_bias) or none."""
+    MLP (not the plain one), and biases on all of q, k, v and o_proj (Llama's attention_bias) or none."""
     return (
         cfg.family == "transformer"
         and cfg.objective == "clm"
         and cfg.norm_form == "rsqrt"
         and cfg.mlp_activation in ("silu", "gelu")
+        and cfg.mlp_gated
         and sorted(cfg.biases) in ([], ["attention_out", "qkv"])
     )
 
