@@ -26,8 +26,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from support.helical_oracles import caduceus
-from support.helpers import REPO, cli_here, run_config
-from support.import_checks import first_step, import_into, import_refused, relative, tokens, unit_gain_
+from support.helpers import REPO, cli_here
+from support.import_checks import (
+    first_step,
+    import_into,
+    import_refused,
+    published_config_maps_to_shipped,
+    relative,
+    tokens,
+    unit_gain_,
+)
 
 from megagenome.after_training.inference import load_model
 from megagenome.model.vocabulary import VOCABULARIES
@@ -140,11 +148,6 @@ def test_pretraining_continues_from_the_import_with_caduceus_loss(checkpoint, im
 
 def test_the_published_config_maps_to_the_shipped_one():
     """Caduceus-Ph 131k's config (tests/data/caduceus) gives configs/caduceus_ph_131k.yaml's model section exactly."""
-    from dataclasses import asdict
-
-    from megagenome.model import PUBLISHED
-
-    published = json.loads((DATA / "caduceus-ph_seqlen-131k_d_model-256_n_layer-16.json").read_text())
-    got = PUBLISHED["caduceus"].model_config(published)
-    want, _ = run_config(["--config", str(REPO / "configs" / "caduceus_ph_131k.yaml")])
-    assert asdict(got) == asdict(want.model)
+    published_config_maps_to_shipped(
+        "caduceus", DATA / "caduceus-ph_seqlen-131k_d_model-256_n_layer-16.json", "caduceus_ph_131k.yaml"
+    )

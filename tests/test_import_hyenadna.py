@@ -21,8 +21,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.helical_oracles import hyenadna as hyenadna_code
-from support.helpers import REPO, cli_here, run_config
-from support.import_checks import first_step, import_into, import_refused, relative, tokens, unit_gain_
+from support.helpers import REPO, cli_here
+from support.import_checks import (
+    first_step,
+    import_into,
+    import_refused,
+    published_config_maps_to_shipped,
+    relative,
+    tokens,
+    unit_gain_,
+)
 
 from megagenome.after_training.inference import load_model
 from megagenome.model.vocabulary import VOCABULARIES
@@ -121,14 +129,7 @@ def test_pretraining_continues_from_the_import_with_hyenadnas_loss(hyenadna, imp
 
 def test_the_published_config_maps_to_the_shipped_one():
     """HyenaDNA small's config (tests/data/hyenadna) gives configs/hyenadna_small.yaml's model section exactly."""
-    from dataclasses import asdict
-
-    from megagenome.model import PUBLISHED
-
-    published = json.loads((DATA / "hyenadna-small-32k-seqlen.json").read_text())
-    got = PUBLISHED["hyenadna"].model_config(published)
-    want, _ = run_config(["--config", str(REPO / "configs" / "hyenadna_small.yaml")])
-    assert asdict(got) == asdict(want.model)
+    published_config_maps_to_shipped("hyenadna", DATA / "hyenadna-small-32k-seqlen.json", "hyenadna_small.yaml")
 
 
 def test_zero3_offload_bf16_continue_from_the_import(hyenadna, imported, tmp_path):

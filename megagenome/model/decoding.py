@@ -22,7 +22,7 @@ block without new_cache would make the model decode by full recompute, the whole
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -55,7 +55,6 @@ class DecodeState:
     caches: list
     capacity: int  # positions the caches hold (prompt + generated)
     position: int = 0
-    extra: dict = field(default_factory=dict)
 
     def nbytes(self) -> int:
         """Bytes of every cache tensor (what the generation holds beyond the model)."""

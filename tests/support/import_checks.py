@@ -38,6 +38,17 @@ def import_into(source: str, fmt: str, out: str, *flags: str) -> str:
     return out
 
 
+def published_config_maps_to_shipped(fmt: str, published: pathlib.Path, shipped: str) -> None:
+    """The format's mapping of a published config (JSON) is exactly configs/<shipped>'s model section."""
+    from dataclasses import asdict
+
+    from megagenome.model import PUBLISHED
+
+    got = PUBLISHED[fmt].model_config(json.loads(published.read_text()))
+    want, _ = run_config(["--config", str(REPO / "configs" / shipped)])
+    assert asdict(got) == asdict(want.model)
+
+
 def import_refused(source: str, fmt: str, out: str, *fragments: str) -> None:
     """`megagenome import SOURCE --format FMT --output OUT` must exit 2 with an error naming every fragment and no
     traceback, leaving nothing at OUT (nor a staging directory beside it)."""
