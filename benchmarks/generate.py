@@ -113,6 +113,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def _order(row: dict) -> tuple:
+    """Rows by size, family (SIZES' order), then prompt, however the resumed pieces were appended."""
+    sizes = list(SIZES)
+    return sizes.index(row["size"]), list(SIZES[row["size"]]).index(row["family"]), row["prompt"]
+
+
 def render(record: dict) -> str:
     lines = ["# Generation on CPU: cached decoding against full recompute", ""]
     lines += harness.header(record)
@@ -127,7 +133,7 @@ def render(record: dict) -> str:
     rows = [[r["size"], r["family"], f"{r['parameters']:,}", f"{r['prompt']:,}", f"{r['prefill_s']:.2f}",
              f"{1000 * r['cached_step_s']:.2f}", f"{r['cached_bases_per_s']:,.1f}", f"{r['cache_bytes'] / 2**20:,.2f}",
              f"{r['recompute_step_s']:.3f}", f"{r['recompute_bases_per_s']:,.2f}", f"{r['speedup']:,.0f}x"]
-            for r in record["rows"]]  # fmt: skip
+            for r in sorted(record["rows"], key=_order)]  # fmt: skip
     lines += harness.table(cols, rows)
     skipped = "" if "--big_32k" in record.get("command", "") else (
         " The ~100M models were not run at prompts above 8,192 bases (--big_32k): a full forward of a 32,768-base "

@@ -87,6 +87,28 @@ def test_cached_decoding_equals_full_recompute(form):
     assert torch.equal(recomputed, ids[:, 41:])  # and the other 511: 512 greedy bases, identical
 
 
+@pytest.mark.parametrize("form", ["transformer", "hyena", "striped_hyena"])
+@pytest.mark.parametrize("prompt_len", [20, 60])
+def test_sliding_window_decoding_equals_recompute_of_each_window(form, prompt_len):
+    """Past the model's context the window slides (the oldest bases dropped, the kept ones read again): the cached
+    run's bases and log-probabilities equal a full forward of the same window at every step, over several slides
+    and from a prompt longer than the window."""
+    from megagenome.after_training.generation import Options, generate_batch
+
+    model, opts = seeded(**FORMS[form]), Options(run="", output="", temperature=0, slide=16)
+    prompt = torch.randint(3, 7, (prompt_len,), generator=torch.Generator().manual_seed(2))
+    runs = [generate_batch(model, prompt, 120, opts, [torch.Generator()] * 2, window=48, cache=c) for c in (1, 0)]
+    (cached_ids, cached_lp), (full_ids, full_lp) = runs
+    assert torch.equal(cached_ids, full_ids)
+    assert (cached_lp - full_lp).abs().max() <= 1e-5
+    seq, start = prompt.tolist(), max(0, prompt_len - 48)  # the rule written out: 48 positions, 32 kept on a slide
+    with torch.no_grad():
+        for _ in range(120):
+            seq.append(3 + int(model.table_logits(torch.tensor([seq[start:]]))[0, -1, 3:7].argmax()))
+            start = len(seq) - 32 if len(seq) - start > 48 else start
+    assert cached_ids[0].tolist() == seq[prompt_len:]
+
+
 def test_grouped_query_attention_caches_its_groups_only():
     mha, gqa = seeded(), seeded(**LLAMA_FORM)
     assert gqa.decode_state(2, 100).nbytes() * 2 == mha.decode_state(2, 100).nbytes()
@@ -154,6 +176,13 @@ def test_greedy_is_top_k_1_and_bf16_runs(exports, tmp_path):
     assert [s for _, s in read_fasta(tmp_path / "g.fa").values()] == [
         s for _, s in read_fasta(tmp_path / "k.fa").values()
     ]
+    # Past the model's 1,024 positions the window slides, said on the console and in the header.
+    long = generate(
+        exports["transformer"], tmp_path / "l.fa", "--length", "1030", "--temperature", "0", "--slide", "500"
+    )
+    assert long.returncode == 0 and "sliding window, the last 524 to 1,024 bases" in long.stderr, long.stderr
+    ((header, seq),) = read_fasta(tmp_path / "l.fa").values()
+    assert "window=1024 slide=500" in header and len(seq) == 1030
 
 
 def test_refusals_write_nothing(exports, tmp_path):
@@ -161,7 +190,7 @@ def test_refusals_write_nothing(exports, tmp_path):
     cases = [
         ((exports["mlm"],), ("masked-LM", "causal")),
         ((exports["transformer"], "--prompt", "ACGU"), ("--prompt", "'U'")),
-        ((exports["transformer"], "--length", "2000"), ("--model.max_seq_len=1024",)),
+        ((exports["transformer"], "--length", "2000", "--slide", "1024"), ("--slide=1024", "1..1023")),
         ((exports["transformer"], "--top_k", "5"), ("--top_k=5",)),
         ((exports["transformer"], "--temperature", "-1"), ("--temperature",)),
     ]

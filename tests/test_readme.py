@@ -144,8 +144,10 @@ def test_the_readme_commands_leave_what_they_promise(readme_run):
     scored = [r for r in rows if r["rule"] == "megagenome score-variants as written"]
     assert {r["argv"][1] for r in scored} == {"runs/tiny", "runs/brca1"}  # the default run first, then the locus's
     assert all((clone / r["argv"][r["argv"].index("--output") + 1]).exists() for r in scored)
-    python_row = next(r for r in rows if r["rule"] == "python block")
-    assert python_row["install"] == ["hf"] and re.search(r"[ACGTN]{20}", python_row["output"]), python_row["output"]
+    python_rows = [r for r in rows if r["rule"] == "python block"]
+    composition, hf_row = python_rows[:2]  # generated 5 kb against the genome; the Hugging Face snippet
+    assert len(re.findall(r"sample\d: GC \d+\.\d%, 3-mer JS 0\.\d{4} bits", composition["output"])) == 2
+    assert hf_row["install"] == ["hf"] and re.search(r"[ACGTN]{20}", hf_row["output"]), hf_row["output"]
     substituted = [n for r in rows for n in r["notes"] if "->" in n]
     assert all("/checkpoints/step_" in n for n in substituted), substituted
 

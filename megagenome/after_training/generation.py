@@ -1,13 +1,16 @@
 """`megagenome generate` (layer L4): DNA sampled from a trained causal model, one base at a time.
 
     megagenome generate RUN_OR_EXPORT --output samples.fa [--prompt ACGT... | --prompt_fasta FILE] [--length N]
-        [--num_samples K] [--temperature T] [--top_k K] [--top_p P] [--seed S] [--scores samples.tsv]
+        [--num_samples K] [--temperature T] [--top_k K] [--top_p P] [--seed S] [--scores samples.tsv] [--slide S]
 
 Each sample continues the prompt (an empty prompt starts after <sep>, the boundary a sequence starts from) by
 --length bases drawn from the model's next-base distribution over A, C, G and T (N and the special tokens are never
 drawn): the logits divided by --temperature (0: the most likely base, greedy), cut to the --top_k most likely and to
 the smallest set whose probability reaches --top_p, renormalised. Sample i draws from its own generator, seeded
 from --seed and i, so a sample is the same whatever the batching and the number of ranks.
+
+The model reads at most its --model.max_seq_len positions: a longer sequence is read through a window that slides
+by --slide bases (default a quarter of the window) when full, the bases kept read again as a new prompt.
 
 Decoding is cached (model/decoding.py: attention layers keep their keys and values, Hyena operators their filters'
 states; the prompt runs once, as the training forward runs it, then one step per base); a model with a block that
@@ -62,6 +65,7 @@ class Options:
     scores: str | None = None
     batch_size: int = 8
     dtype: str = "fp32"
+    slide: int | None = None
     overwrite: bool = False
     progress: bool = True
 
@@ -144,31 +148,54 @@ def token_log_probs(model, table: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_batch(model, ids: torch.Tensor, length: int, opts: Options, generators, on_step=None):
+def generate_batch(model, ids: torch.Tensor, length: int, opts: Options, generators, on_step=None, window=None,
+                   cache: bool = True):  # fmt: skip
     """(generated ids (B, length), their log-probabilities (B, length)) continuing the prompt ids (P,) for B =
-    len(generators) samples."""
-    B = len(generators)
-    context = ids[None].expand(B, -1).to(next(model.parameters()).device)  # (B, P)
-    cached = model.can_cache()
-    if cached:
-        state = model.decode_state(B, context.size(1) + length)
-        table = model.decode(context, state)[:, -1]  # (B, rows): the prefill
-    else:
-        table = model.table_logits(context)[:, -1]
-    out, scores = [], []
-    for _ in range(length):
+    len(generators) samples.
+
+    The model reads at most `window` positions (default: its max_seq_len): when the sequence outgrows the window, it
+    slides, dropping the oldest opts.slide bases (default: a quarter of the window), and the bases kept are read
+    again as a new prompt (the caches are refilled). cache=False recomputes the window's forward at every step
+    instead of decoding (what a model that cannot cache does): the same logits, the reference in the tests."""
+    B, P = len(generators), ids.numel()
+    device = next(model.parameters()).device
+    window = window or model.cfg.max_seq_len
+    keep = window - slide_of(opts, window)
+    seq = torch.empty(B, P + length, dtype=torch.long, device=device)  # the prompt, then each base as drawn
+    seq[:, :P] = ids.to(device)
+    cached = cache and model.can_cache()
+    start, state = max(0, P - window), None  # the window is seq[:, start:end]
+
+    def read(end: int):  # the window's last logits, its caches filled afresh
+        nonlocal state
+        if not cached:
+            return model.table_logits(seq[:, start:end])[:, -1]
+        state = model.decode_state(B, window)
+        return model.decode(seq[:, start:end], state)[:, -1]
+
+    table = read(P)
+    scores = torch.empty(B, length)
+    for t in range(length):
         logp = token_log_probs(model, table)  # (B, vocab)
-        nxt = choose(logp, opts, generators).to(context.device)  # (B,): log-probabilities rank as the logits
-        out.append(nxt)
-        scores.append(logp.gather(-1, nxt[:, None])[:, 0])
-        if cached:
+        nxt = choose(logp, opts, generators).to(device)  # (B,): log-probabilities rank as the logits
+        end = P + t + 1
+        seq[:, end - 1] = nxt
+        scores[:, t] = logp.gather(-1, nxt[:, None])[:, 0].float().cpu()
+        if end - start > window:
+            start = end - keep
+            table = read(end)
+        elif cached:
             table = model.decode(nxt[:, None], state)[:, -1]
         else:
-            context = torch.cat([context, nxt[:, None]], dim=1)
-            table = model.table_logits(context)[:, -1]
+            table = read(end)
         if on_step is not None:
             on_step(B)
-    return torch.stack(out, 1).cpu(), torch.stack(scores, 1).cpu()
+    return seq[:, P:].cpu(), scores
+
+
+def slide_of(opts: Options, window: int) -> int:
+    """Bases the window drops when the sequence outgrows it: --slide, or a quarter of the window."""
+    return opts.slide if opts.slide is not None else max(1, window // 4)
 
 
 def cache_bytes(model, batch: int, capacity: int) -> int:
@@ -178,9 +205,11 @@ def cache_bytes(model, batch: int, capacity: int) -> int:
     return model.decode_state(batch, capacity).nbytes()
 
 
-def header(i: int, prompt: Prompt, opts: Options, source: str) -> str:
-    """A sample's FASTA header: its name, then what made it."""
+def header(i: int, prompt: Prompt, opts: Options, source: str, window: int) -> str:
+    """A sample's FASTA header: its name, then what made it (the window and slide when the sequence outgrew it)."""
     settings = [f"prompt={prompt.name}:{len(prompt.bases)}", f"length={opts.length}", f"temperature={opts.temperature}"]
+    if len(prompt.bases) + opts.length > window:
+        settings += [f"window={window}", f"slide={slide_of(opts, window)}"]
     settings += [f"top_k={opts.top_k}"] if opts.top_k is not None else []
     settings += [f"top_p={opts.top_p}"] if opts.top_p is not None else []
     return f">{prompt.name}_sample{i} " + " ".join([*settings, f"seed={opts.seed}", f"model={source}"])
@@ -204,17 +233,21 @@ def run(opts: Options, world: World | None = None) -> dict:
         family = loaded.model_cfg.family
         raise GenerateError(f"{opts.run}: a masked-LM model ({family}, --model.objective mlm) predicts a hidden base "
                             "from both sides; generation needs a causal (clm) model")  # fmt: skip
+    window = loaded.model_cfg.max_seq_len
+    if opts.slide is not None and not 1 <= opts.slide < window:
+        raise GenerateError(f"--slide={opts.slide}: must be within 1..{window - 1} (the model reads {window} "
+                            "positions)")  # fmt: skip
     longest = max(len(t) for t in tokens) + opts.length
-    if longest > loaded.model_cfg.max_seq_len:
-        limit = loaded.model_cfg.max_seq_len
-        raise GenerateError(f"--length {opts.length} after a {longest - opts.length}-base prompt: {longest} "
-                            f"positions, above the model's --model.max_seq_len={limit}")  # fmt: skip
     batch = min(opts.batch_size, opts.num_samples)
-    memory = cache_bytes(model, batch, longest)
+    memory = cache_bytes(model, batch, min(longest, window))
     if world.main:
         how = f"cached decoding, cache {memory / 2**20:.2f} MiB per batch of {batch}" if memory else "full recompute"
         print(f"{PROG}: {len(prompts)} prompt(s) x {opts.num_samples} sample(s) x {opts.length:,} bases; {how}",
               file=sys.stderr)  # fmt: skip
+        if longest > window:
+            print(f"{PROG}: {longest:,} positions outgrow the model's {window:,} (--model.max_seq_len): it reads a "
+                  f"sliding window, the last {window - slide_of(opts, window):,} to {window:,} bases (--slide "
+                  f"{slide_of(opts, window)})", file=sys.stderr)  # fmt: skip
     from tqdm import tqdm
 
     total = len(prompts) * len(world.mine(range(opts.num_samples))) * opts.length
@@ -225,7 +258,8 @@ def run(opts: Options, world: World | None = None) -> dict:
         samples = world.mine(range(opts.num_samples))
         for k in range(0, len(samples), batch):
             chunk = samples[k : k + batch]
-            out, scores = generate_batch(model, ids, opts.length, opts, sample_generators(opts, p, chunk), bar.update)
+            gens = sample_generators(opts, p, chunk)
+            out, scores = generate_batch(model, ids, opts.length, opts, gens, bar.update, window)
             mine += [(p, i, out[j], scores[j]) for j, i in enumerate(chunk)]
     bar.close()
     seconds = time.perf_counter() - started
@@ -236,17 +270,17 @@ def run(opts: Options, world: World | None = None) -> dict:
     summary["bases_per_s"] = round(summary["bases"] / max(seconds, 1e-9), 1)
     if world.main:
         rows = sorted((r for part in gathered for r in part), key=lambda r: (r[0], r[1]))
-        write_outputs(opts, prompts, rows, loaded.source)
+        write_outputs(opts, prompts, rows, loaded.source, window)
     return summary
 
 
-def write_outputs(opts: Options, prompts: list[Prompt], rows: list, source: str) -> None:
+def write_outputs(opts: Options, prompts: list[Prompt], rows: list, source: str, window: int) -> None:
     """The FASTA of every sample, and the scores TSV when asked, each through a temporary file."""
     fasta, tsv = [], ["sample\tposition\tbase\tlog_prob"]
     for p, i, out, scores in rows:
         bases = "".join(BASES[t - A_ID] for t in out.tolist())
         sequence = prompts[p].bases + bases
-        fasta.append(header(i, prompts[p], opts, source))
+        fasta.append(header(i, prompts[p], opts, source, window))
         fasta += [sequence[j : j + 80] for j in range(0, len(sequence), 80)]
         name = f"{prompts[p].name}_sample{i}"
         offset = len(prompts[p].bases)

@@ -17,7 +17,8 @@ def parser() -> ArgumentParser:
         "write a FASTA record per sample (the prompt and the generated bases; the header names the settings and the "
         "model), and with --scores each generated base's log-probability. Decoding is cached: attention layers keep "
         "their keys and values, Hyena operators their filters' states (the LI layers a recurrent state), so each base "
-        "costs one step. Masked-LM models are refused. Runs in one process or under the deepspeed launcher (samples "
+        "costs one step; a sequence longer than the model's context is read through a sliding window. Masked-LM "
+        "models are refused. Runs in one process or under the deepspeed launcher (samples "
         "dealt over ranks; the same samples). Exit status 2 on bad input, with nothing written.",
     )
     model_source(parser)
@@ -41,6 +42,13 @@ def parser() -> ArgumentParser:
     )
     parser.add_argument("--batch_size", type=int, default=8, help="Samples decoded together.")
     parser.add_argument("--dtype", type=str, default="fp32", choices=["fp32", "bf16"], help="Inference dtype.")
+    parser.add_argument(
+        "--slide",
+        type=int | None,
+        default=None,
+        help="Past the model's --model.max_seq_len positions, the window "
+        "it reads drops this many of the oldest bases when full (default: a quarter of the window).",
+    )
     parser.add_argument("--overwrite", action="store_true", help="Replace outputs that exist (refused otherwise).")
     parser.add_argument("--progress", type=bool, default=True, help="Show a progress bar with bases/s (rank 0).")
     return parser
