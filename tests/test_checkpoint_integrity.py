@@ -277,3 +277,28 @@ def test_loading_a_damaged_checkpoint_names_the_file(one_rank, tmp_path):
     with pytest.raises(ValueError, match="could not load checkpoint") as err:
         checkpoint.load(tiny_engine(), str(path), 0)
     assert str(path) in str(err.value) and f"{bad}: size" in str(err.value)
+
+
+class _Payload:
+    """Unpickled, it creates the file `marker` (what a crafted checkpoint's code could do)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_refuses_a_crafted_checkpoint_before_deepspeed_unpickles_it(one_rank, tmp_path):
+    """DeepSpeed's engine.load_checkpoint unpickles fully: a crafted model-states file whose manifest was rewritten to
+    match (so it verifies) is refused by the vetting (train/safe_load.py), and its payload never runs."""
+    path = pathlib.Path(save(tiny_engine(), tmp_path / "checkpoints", 1))
+    crafted, marker = path / "mp_rank_00_model_states.pt", tmp_path / "ran"
+    state = torch.load(crafted, weights_only=False)
+    torch.save({**state, "extra": _Payload(str(marker))}, crafted)  # the real weights, plus the payload
+    info = integrity.read_marker(str(path))
+    integrity.write_marker(str(path), info["step"], integrity.hash_files(str(path), sorted(info["files"])))
+    assert integrity.verify(str(path)) == []
+    with pytest.raises(ValueError, match="refused, not loaded: the file names io.open") as err:
+        checkpoint.load(tiny_engine(), str(path), 0)
+    assert str(crafted) in str(err.value) and not marker.exists()

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 def run_eval(run, fasta, **flags) -> int:
     """`megagenome eval` on a namespace as the CLI parses it (tests/test_cli.py parses the real flags)."""
     ns = {"step": None, "regions": [], "window": None, "batch_size": 8, "reverse_complement": False, "dtype": "fp32"}
-    ns |= {"output": None, "progress": False, **flags}
+    ns |= {"output": None, "overwrite": False, "progress": False, **flags}
     return eval_command.main(SimpleNamespace(run=str(run), fasta=fasta, **ns))
 
 
@@ -111,7 +111,9 @@ def test_bgzf_regions_soft_masked_json(trained, tmp_path, capsys):
     assert [r["name"] for r in result["records"]] == ["chrI:1-700", "chrV:101-400"]
     assert [r["bases"] for r in result["records"]] == [699, 299]
     assert "per-sequence mean NLL" in capsys.readouterr().out
-    assert run_eval(run, soft, regions=["chr17:1-3000"], output=str(out)) == 0
+    assert run_eval(run, soft, regions=["chr17:1-3000"], output=str(out)) == 2  # an earlier result is kept ...
+    assert "--output" in capsys.readouterr().err and json.loads(out.read_text()) == result
+    assert run_eval(run, soft, regions=["chr17:1-3000"], output=str(out), overwrite=True) == 0  # ... unless asked
     result = json.loads(out.read_text())
     masked, unmasked = result["softmasked"], result["unmasked"]
     assert masked["bases"] > 0 and unmasked["bases"] > 0

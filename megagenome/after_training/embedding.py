@@ -39,7 +39,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -63,9 +62,10 @@ from megagenome.after_training.inference import (
 from megagenome.after_training.variant_windows import skip_reason, variant_windows
 from megagenome.data.bed import BedError, read_features
 from megagenome.data.fasta import FastaError, Genome
-from megagenome.data.tokenizer import TokenizerError, encode
+from megagenome.data.tokenizer import N_ID, TokenizerError, encode
 from megagenome.data.variants import VariantError
-from megagenome.data.vcf_scores import Site, check_refs, read_sites, write_text
+from megagenome.data.vcf_scores import Site, check_refs, read_sites
+from megagenome.files.outputs import OutputError, check_outputs, staged
 from megagenome.model.stack import FINAL_NORM, layers_problem
 from megagenome.train.consolidate import CheckpointError
 
@@ -258,9 +258,10 @@ def check_options(opts: Options) -> None:
     paths = {os.path.abspath(p) for p in outputs.values()}
     if len(paths) < 2 or paths & {os.path.abspath(p) for p in inputs}:
         raise EmbedError(f"--output {opts.output} and --index {index_path(opts)}: must differ, and from the inputs")
-    existing = [f"{flag} {p}" for flag, p in outputs.items() if os.path.exists(p)]
-    if existing and not opts.overwrite:
-        raise EmbedError(f"{'; '.join(existing)}: already exists (give --overwrite to replace)")
+    try:
+        check_outputs(list(outputs.items()), opts.overwrite)
+    except OutputError as e:
+        raise EmbedError(str(e)) from e
 
 
 def run(opts: Options, world: World | None = None) -> dict:
@@ -280,6 +281,10 @@ def run(opts: Options, world: World | None = None) -> dict:
         rows, skipped = make_rows(genome, inputs, window)
     if not rows:
         raise EmbedError(f"nothing to embed: {skipped[0] if skipped else 'no rows'} ({len(skipped)} ALTs skipped)")
+    blank = [r.name for r in rows if not (np.asarray(r.tokens) != N_ID).any()]
+    if blank and world.main:  # embedded all the same, in their place: the index keeps its rows in input order
+        print(f"{PROG}: warning: {len(blank)} of {len(rows)} rows are all N, their embeddings carry no sequence: "
+              f"{', '.join(blank[:5])}{', ...' if len(blank) > 5 else ''}", file=sys.stderr)  # fmt: skip
     started = time.perf_counter()
     states = embed_rows(loaded, rows, opts.layers, opts.pool, window, world, opts.batch_size, opts.progress)
     seconds = time.perf_counter() - started
@@ -308,15 +313,14 @@ def run(opts: Options, world: World | None = None) -> dict:
 
 
 def write_outputs(opts: Options, rows: list[Row], states: dict[int, torch.Tensor], summary: dict) -> None:
-    """The safetensors file (the tensors, `lengths`, the metadata) and the TSV index, each through a temporary file
-    renamed when complete."""
-    for path in summary["outputs"].values():
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """The safetensors file (the tensors, `lengths`, the metadata) and the TSV index, published together
+    (files/outputs.py staged: both written to temporaries, then renamed; a failure leaves neither)."""
+    from safetensors.torch import save_file
+
     tensors = {tensor_name(layer): states[layer].contiguous() for layer in opts.layers}
     tensors["lengths"] = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)
     keys = ("model", "family", "d_model", "layers", "tensors", "pool", "window", "dtype", "input", "fasta", "rows")
     metadata = {"format": FORMAT, **{k: json.dumps(summary[k]) for k in keys}}
-    save_tensors(opts.output, tensors, metadata)
     columns = COLUMNS + (VARIANT_COLUMNS if opts.vcf else [])
     lines = ["\t".join(columns)]
     for i, r in enumerate(rows):
@@ -324,22 +328,10 @@ def write_outputs(opts: Options, rows: list[Row], states: dict[int, torch.Tensor
         if r.variant is not None:
             cells += [*r.variant, r.centre]
         lines.append("\t".join(map(str, cells)))
-    write_text(index_path(opts), "\n".join(lines) + "\n")
-
-
-def save_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """A safetensors file written to a temporary file beside `path` (straight from the tensors, not through one more
-    copy in memory) and renamed over it when complete."""
-    from safetensors.torch import save_file
-
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with staged(opts.output, index_path(opts)) as (tensors_tmp, index_tmp):
+        save_file(tensors, tensors_tmp, metadata=metadata)  # straight from the tensors, no copy in memory
+        with open(index_tmp, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
 
 
 def report(summary: dict) -> str:

@@ -37,6 +37,7 @@ from megagenome.after_training.inference import (
 )
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import N_ID, reverse_complement
+from megagenome.files.outputs import OutputError, check_outputs, write_text
 from megagenome.train.consolidate import CheckpointError
 
 PROG = "megagenome eval"
@@ -158,6 +159,7 @@ def summarise(seqs: list[Sequence], lls: list[np.ndarray]) -> dict:
         "unmasked": pooled(unmasked),
         "per_sequence_mean_nll": float(np.mean(per_seq)) if per_seq else None,
         "records": rows,
+        "records_without_bases": [r["name"] for r in rows if not r["bases"]],  # all N: in no mean
     }
 
 
@@ -210,8 +212,11 @@ def table(result: dict) -> str:
         f"{fmt(result['softmasked']['bits_per_base']):>10} {fmt(result['unmasked']['bits_per_base']):>10} "
         f"{fmt(o['nll_nats'] / o['bases'] if o['bases'] else None):>10}"
     )
+    empty = result["records_without_bases"]
     lines.append(
-        f"per-sequence mean NLL: {fmt(result['per_sequence_mean_nll'])} nats/base over {len(result['records'])} records"
+        f"per-sequence mean NLL: {fmt(result['per_sequence_mean_nll'])} nats/base over "
+        f"{len(result['records']) - len(empty)} records"
+        + (f" ({len(empty)} with no base to score, all N, left out: {', '.join(empty[:5])})" if empty else "")
     )
     run = result["run"]
     lines.append(
@@ -224,6 +229,7 @@ def table(result: dict) -> str:
 
 def main(ns) -> int:
     try:
+        check_outputs([("--output", ns.output)], ns.overwrite)
         loaded = load_model(ns.run, ns.step, ns.dtype)
         window = ns.window or loaded.context
         if not 2 <= window <= loaded.context:
@@ -233,14 +239,17 @@ def main(ns) -> int:
         if ns.batch_size < 1:
             raise EvalError(f"--batch_size={ns.batch_size}: must be positive")
         result = evaluate(loaded, ns.fasta, ns.regions, window, ns.batch_size, ns.reverse_complement, ns.progress)
-    except (EvalError, CheckpointError, FastaError, OSError) as e:
+    except (EvalError, CheckpointError, FastaError, OutputError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if result is None:
         return 0
+    if not result["overall"]["bases"]:
+        print(f"{PROG}: error: --fasta {ns.fasta}: no base to score (every record or region is N); nothing written",
+              file=sys.stderr)  # fmt: skip
+        return 2
     print(table(result))
     if ns.output:
-        with open(ns.output, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+        write_text(ns.output, json.dumps(result, indent=2) + "\n")  # whole or not at all: an earlier file survives
         print(f"{PROG}: results written to {ns.output}")
     return 0

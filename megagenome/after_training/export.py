@@ -57,6 +57,7 @@ from megagenome.after_training.weights import (
 )
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB, VOCAB_SIZE
+from megagenome.files.outputs import OutputError, check_outputs, describe_os_error, temporary_beside
 from megagenome.model import family_of
 from megagenome.observe.metrics import read_metrics
 from megagenome.train import checkpoint
@@ -74,8 +75,11 @@ def main(ns) -> int:
         return _main_published(ns)
     try:
         manifest = export(ns.run, ns.output, ns.step, ns.dtype, ns.quantize, ns.eval_fasta, ns.eval_windows)
-    except (ValueError, OSError) as e:  # ExportError, CheckpointError, FastaError, a missing torchao ...
+    except ValueError as e:  # ExportError, CheckpointError, FastaError ...
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a permission: the staged directory is gone, nothing written
+        print(f"{PROG}: error: --output {ns.output}: {describe_os_error(e)}", file=sys.stderr)
         return 2
     except ImportError as e:
         print(f"{PROG}: error: {e} (--quantize int8 needs torchao: pip install torchao)", file=sys.stderr)
@@ -124,8 +128,7 @@ def export(
     eval_windows: int | None = None,
 ) -> dict:
     """Write the export directory `output` of `source` (a run or export directory); its manifest."""
-    if os.path.lexists(output):
-        raise ExportError(f"--output {output} already exists: nothing was written (choose a new directory)")
+    check_output(output)
     if dtype not in ("fp32", "bf16") or quantize_to not in ("none", "int8"):
         raise ExportError(f"--dtype must be fp32 or bf16 and --quantize none or int8, got {dtype}, {quantize_to}")
     if quantize_to != "int8" and (eval_fasta is not None or eval_windows is not None):
@@ -154,17 +157,22 @@ class Staged:
     manifest: dict
 
 
+def check_output(output: str) -> None:
+    """Refuse an --output directory that exists or cannot be written (files/outputs.py check_outputs), before work."""
+    try:
+        check_outputs([("--output", output)], directory=True)
+    except OutputError as e:
+        raise ExportError(str(e)) from e
+
+
 @contextlib.contextmanager
 def staged_directory(output: str):
     """The path of a temporary directory beside `output`, renamed to `output` when the block ends without error: an
-    existing `output` is refused (before and after); a failure or interruption leaves nothing behind."""
-    if os.path.lexists(output):
-        raise ExportError(f"--output {output} already exists: nothing was written (choose a new directory)")
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    existing `output` is refused (before and after), and one that cannot be written (files/outputs.py check_outputs);
+    a failure or interruption leaves nothing behind."""
+    check_output(output)
+    check_output(output)
+    tmp = temporary_beside(os.path.abspath(output), directory=True)  # a killed export's stale one is swept here
     try:
         yield tmp
         if os.path.lexists(output):
@@ -198,8 +206,7 @@ def export_published(source: str, fmt: str, output: str, step: int | None = None
 
     if fmt not in PUBLISHED:
         raise ExportError(f"--format {fmt}: not one of megagenome, {', '.join(PUBLISHED)}")
-    if os.path.lexists(output):
-        raise ExportError(f"--output {output} already exists: nothing was written (choose a new directory)")
+    check_output(output)
     model_cfg, state, _, _ = read_weights(source, step)
     try:
         config, weights = PUBLISHED[fmt].to_theirs(state, model_cfg)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from megagenome.after_training.inference import World, load_model, start_world
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import A_ID, SEP_ID, TokenizerError, encode
-from megagenome.data.vcf_scores import write_text
+from megagenome.files.outputs import OutputError, check_outputs, write_texts
 from megagenome.train.consolidate import CheckpointError
 
 PROG = "megagenome generate"
@@ -90,16 +90,10 @@ def check_options(opts: Options) -> None:
         raise GenerateError(f"--top_p={opts.top_p}: must be within (0, 1]")
     if opts.prompt and opts.prompt_fasta:
         raise GenerateError("--prompt and --prompt_fasta: give one of them (or neither: an empty prompt)")
-    outputs = [("--output", opts.output)] + ([("--scores", opts.scores)] if opts.scores else [])
-    if opts.scores and os.path.abspath(opts.scores) == os.path.abspath(opts.output):
-        raise GenerateError(f"--scores {opts.scores}: must differ from --output")
-    existing = [f"{flag} {path}" for flag, path in outputs if os.path.exists(path)]
-    if existing and not opts.overwrite:
-        raise GenerateError(f"{'; '.join(existing)}: already exists (give --overwrite to replace)")
-    for flag, path in outputs:
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise GenerateError(f"{flag} {path}: its directory {folder} does not exist")
+    try:
+        check_outputs([("--output", opts.output), ("--scores", opts.scores)], opts.overwrite)
+    except OutputError as e:
+        raise GenerateError(str(e)) from e
 
 
 def read_prompts(opts: Options) -> list[Prompt]:
@@ -275,7 +269,7 @@ def run(opts: Options, world: World | None = None) -> dict:
 
 
 def write_outputs(opts: Options, prompts: list[Prompt], rows: list, source: str, window: int) -> None:
-    """The FASTA of every sample, and the scores TSV when asked, each through a temporary file."""
+    """The FASTA of every sample, and the scores TSV when asked, published together (files/outputs.py)."""
     fasta, tsv = [], ["sample\tposition\tbase\tlog_prob"]
     for p, i, out, scores in rows:
         bases = "".join(BASES[t - A_ID] for t in out.tolist())
@@ -285,9 +279,10 @@ def write_outputs(opts: Options, prompts: list[Prompt], rows: list, source: str,
         name = f"{prompts[p].name}_sample{i}"
         offset = len(prompts[p].bases)
         tsv += [f"{name}\t{offset + j + 1}\t{b}\t{s:.6f}" for j, (b, s) in enumerate(zip(bases, scores.tolist()))]
-    write_text(opts.output, "\n".join(fasta) + "\n")
+    contents = {opts.output: "\n".join(fasta) + "\n"}
     if opts.scores:
-        write_text(opts.scores, "\n".join(tsv) + "\n")
+        contents[opts.scores] = "\n".join(tsv) + "\n"
+    write_texts(contents)  # published together, or neither
 
 
 def report(summary: dict, opts: Options) -> str:

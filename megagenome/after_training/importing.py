@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from megagenome.after_training.export import ExportError, staged_export
+from megagenome.after_training.export import check_output, staged_export
 from megagenome.after_training.weights import DTYPES
 from megagenome.config.checks import model_problems
 from megagenome.data.tokenizer import VOCAB_SIZE
@@ -62,8 +62,7 @@ def import_checkpoint(source: str, fmt: str, output: str, config_path: str | Non
         raise ImportFailure(f"--format {fmt}: not one of {', '.join(PUBLISHED)}")
     if dtype not in DTYPES:
         raise ImportFailure(f"--dtype {dtype}: not one of fp32, bf16")
-    if os.path.lexists(output):
-        raise ExportError(f"--output {output} already exists: nothing was written (choose a new directory)")
+    check_output(output)
     published = PUBLISHED[fmt]
     config, config_file = read_config(source, config_path)
     vocab, tokenizer_file = read_tokenizer(source) if published.tokenizer else (None, None)

@@ -62,6 +62,7 @@ from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import MASK_ID, TokenizerError, encode, reverse_complement
 from megagenome.data.variants import VariantError
 from megagenome.data.vcf_scores import Site, check_refs, labelled_alts, read_sites, write_scored, write_text, write_tsv
+from megagenome.files.outputs import OutputError, check_outputs, staged
 from megagenome.train.consolidate import CheckpointError
 
 PROG = "megagenome score-variants"
@@ -282,12 +283,12 @@ def check_options(opts: Options) -> None:
         )
     supervised_vep.check_flags(opts)
     outputs = {"--output": opts.output, "--tsv": tsv_path(opts), "--summary_json": opts.summary_json}
-    paths = [os.path.abspath(p) for p in outputs.values() if p]
-    if len(set(paths)) < len(paths) or os.path.abspath(opts.vcf) in paths:
+    if os.path.abspath(opts.vcf) in [os.path.abspath(p) for p in outputs.values() if p]:
         raise ScoreError(f"the outputs ({', '.join(p for p in outputs.values() if p)}) and --vcf must all differ")
-    existing = [f"{flag} {p}" for flag, p in outputs.items() if p and os.path.exists(p)]
-    if existing and not opts.overwrite:
-        raise ScoreError(f"{'; '.join(existing)}: already exists (give --overwrite to replace)")
+    try:
+        check_outputs(list(outputs.items()), opts.overwrite)
+    except OutputError as e:
+        raise ScoreError(str(e)) from e
 
 
 def check_labels(sites: list[Site], opts: Options) -> None:
@@ -356,19 +357,19 @@ def run(opts: Options, world: World | None = None) -> dict:
 
 
 def write_outputs(opts: Options, sites, scores, causal: bool, lengths: dict, summary: dict, supervised) -> None:
-    """The scored VCF, the TSV and the JSON summary, each through a temporary file renamed when complete;
-    `supervised` is (the supervised score, the fold) per record per ALT, or Nones."""
-    for path in (opts.output, tsv_path(opts), opts.summary_json):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """The scored VCF, the TSV and the JSON summary, published together (files/outputs.py staged: all three
+    written to temporaries, then renamed; a failure leaves none and an earlier result intact); `supervised` is (the
+    supervised score, the fold) per record per ALT, or Nones."""
     what = "log-likelihood ratio ALT vs REF" + (", mean of both strands" if opts.reverse_complement else "")
     description = f"{PROG}: {what}; {summary['window']} bp windows; model {summary['model']}"
     more, extra = supervised_vep.outputs(summary, opts, *supervised)
-    write_scored(opts.vcf, opts.output, scores, opts.info_field, description, lengths, more)
-    how = lambda s, a: method(causal, s.ref, s.alts[a])  # noqa: E731
-    write_tsv(tsv_path(opts), sites, scores, how, bool(opts.label_field), extra)
-    if opts.summary_json:
-        write_text(opts.summary_json, json.dumps(summary, indent=2) + "\n")
+    paths = [opts.output, tsv_path(opts)] + ([opts.summary_json] if opts.summary_json else [])
+    with staged(*paths) as temps:
+        write_scored(opts.vcf, opts.output, scores, opts.info_field, description, lengths, more, target=temps[0])
+        how = lambda s, a: method(causal, s.ref, s.alts[a])  # noqa: E731
+        write_tsv(temps[1], sites, scores, how, bool(opts.label_field), extra)
+        if opts.summary_json:
+            write_text(temps[2], json.dumps(summary, indent=2) + "\n")
 
 
 def report(summary: dict) -> str:

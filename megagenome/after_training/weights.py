@@ -44,7 +44,8 @@ def read_weights(
         model_cfg, state = read_export(path)
         return model_cfg, state, path, None
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such directory (give a run directory or a `megagenome export` directory)")
+        what = "a file, not a directory" if os.path.exists(path) else "no such directory"
+        raise CheckpointError(f"{path}: {what} (give a run directory or a `megagenome export` directory)")
     if task_weights.is_task_run(path):  # a fine-tuning run: its backbone (task_weights.py)
         weights = task_weights.read_task_run(path, step)
         return weights.model_cfg, weights.backbone, weights.tag, None

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
 from argparse import ArgumentError
 
 from jsonargparse import ArgumentParser
 
 from megagenome.config.load import argument_problems, did_you_mean, problem_report, strict, value_problems
+from megagenome.files.outputs import describe_os_error
 
 from .args import Parsed
 
@@ -50,7 +53,11 @@ def command_module(name: str):
 
 def build_parser(only: str | None = None) -> ArgumentParser:
     """The parser of `megagenome`, with every command, or with command `only` alone (what main() parses with)."""
-    parser = ArgumentParser(prog=PROG, description="Pretrain genomic (DNA) language models on DeepSpeed.")
+    parser = ArgumentParser(
+        prog=PROG,
+        description="Pretrain genomic (DNA) language models on DeepSpeed. A failure is one line naming the file or "
+        "flag; --debug (anywhere on the line) shows its traceback instead.",
+    )
     sub = parser.add_subcommands(dest="command")
     for name in COMMANDS if only is None else [only]:
         module = command_module(name)
@@ -107,6 +114,8 @@ def _strip_launcher_args(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else list(argv))
+    debug = "--debug" in argv  # show the traceback of a failure (run_command)
+    argv = [a for a in argv if a != "--debug"]
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
         hint = did_you_mean(argv[0], COMMANDS) or f" (the commands: {', '.join(COMMANDS)})"
         report_problems(argv, [f"unknown command {argv[0]!r}{hint}"])
@@ -120,8 +129,47 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     values = parser.instantiate(ns)
-    return command_module(ns.command).main(Parsed(ns[ns.command], values[ns.command], argv[1:]))
+    return run_command(ns.command, Parsed(ns[ns.command], values[ns.command], argv[1:]), debug)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# Commands that handle their own signals (train/stopping.py: a checkpoint, then exit 143/130) and failures.
+OWN_SIGNALS = ("pretrain", "finetune")
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT) during a command: raised where the command is, so its cleanup runs (every output is
+    written through a temporary that a `finally` removes) and nothing half-written is left."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
+def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
+    """Command `name`'s main. Outside training, SIGINT and SIGTERM end it with one line and exit 130/143 (its
+    temporaries removed), and an OSError that escapes it (a full disk, a permission, a path) is one message naming the
+    path, exit 2; `--debug` shows the traceback instead."""
+    main = command_module(name).main
+    if name in OWN_SIGNALS or debug:
+        return main(parsed)
+    prog = f"{PROG} {name}"
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return main(parsed)
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"{prog}: interrupted ({signal.Signals(signum).name}); stopped with nothing written", file=sys.stderr)
+        return SIGNAL_EXIT.get(signum, 128 + signum)
+    except OSError as e:
+        print(f"{prog}: error: {describe_os_error(e)} (--debug shows where)", file=sys.stderr)
+        return 2
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)

@@ -43,6 +43,7 @@ def parser() -> ArgumentParser:
     )
     parser.add_argument("--dtype", type=str, default="fp32", choices=["fp32", "bf16", "fp16"], help="Inference dtype.")
     parser.add_argument("--output", type=str | None, default=None, help="Write the results as JSON to this file.")
+    parser.add_argument("--overwrite", action="store_true", help="Replace an existing --output (refused otherwise).")
     parser.add_argument("--progress", type=bool, default=True, help="Show a progress bar (rank 0).")
     return parser
 

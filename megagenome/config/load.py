@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from argparse import SUPPRESS, ArgumentError
 
@@ -138,11 +139,14 @@ def finetune_config_from_dict(values: dict) -> FinetuneConfig:
 
 def load_manifest(path: str) -> ManifestConfig:
     """The manifest at `path`, type-checked and strict (unknown keys are errors); ValueError naming file and line."""
+    if not os.path.isfile(path):
+        what = "a directory, not a file" if os.path.isdir(path) else "no such file"
+        raise ValueError(f"--manifest {path}: {what}")
     parser = ArgumentParser(prog="manifest", exit_on_error=False)
     parser.add_class_arguments(ManifestConfig, nested_key=None, fail_untyped=True)
     try:
         ns = parser.parse_path(path)
-    except (ArgumentError, OSError, ValueError) as e:
+    except (ArgumentError, OSError, ValueError, TypeError) as e:  # TypeError: jsonargparse's PathError
         message = " ".join(str(e).split())
         keys = _QUOTED_KEY.findall(str(e))
         line = _line_of_key(path, keys[-1]) if keys else None

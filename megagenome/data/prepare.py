@@ -40,6 +40,7 @@ from megagenome.data.fasta import Genome
 from megagenome.data.intervals import SplitError, build_split, n_free_intervals, restrict
 from megagenome.data.prepared import sha256_file
 from megagenome.data.tokenizer import N_ID, encode
+from megagenome.files.outputs import check_outputs
 from megagenome.observe.record import atomic_write
 
 
@@ -247,10 +248,23 @@ def _clean_temporaries(out: str) -> None:
 
 def run(manifest: ManifestConfig, manifest_path: str, out: str, workers: int = 1, progress: bool = True) -> dict:
     """Prepare every source of `manifest` (paths already resolved) into `out`; returns the index."""
+    check(manifest, manifest_path)
+    check_outputs([("--out", os.path.join(out, layout.INDEX))], overwrite=True)  # a writable directory, up front
+    shards = os.path.join(out, layout.SHARDS)
+    created = [p for p in (out, shards) if not os.path.isdir(p)]
+    os.makedirs(shards, exist_ok=True)
+    try:
+        return _prepare(manifest, manifest_path, out, workers, progress)
+    except BaseException:
+        for path in reversed(created):  # a failed first prepare leaves no empty directories behind
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        raise
+
+
+def _prepare(manifest: ManifestConfig, manifest_path: str, out: str, workers: int, progress: bool) -> dict:
     from tqdm import tqdm
 
-    check(manifest, manifest_path)
-    os.makedirs(os.path.join(out, layout.SHARDS), exist_ok=True)
     _clean_temporaries(out)
     for name in (layout.INDEX, layout.MANIFEST):  # from here until the end, training refuses the directory
         with contextlib.suppress(FileNotFoundError):

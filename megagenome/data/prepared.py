@@ -83,7 +83,8 @@ def read_index(directory: str, verify: bool = True) -> dict:
     directory or the file and what to do."""
     path = os.path.join(directory, INDEX)
     if not os.path.isdir(directory):
-        raise PreparedDataError(f"--data.prepared={directory}: no such directory (write one with `megagenome prepare`)")
+        what = "a file, not a directory" if os.path.exists(directory) else "no such directory"
+        raise PreparedDataError(f"--data.prepared={directory}: {what} (write one with `megagenome prepare`)")
     if not os.path.exists(path):
         raise PreparedDataError(
             f"--data.prepared={directory}: no {INDEX}: `megagenome prepare` did not finish there; rerun it (finished "

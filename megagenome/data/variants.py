@@ -200,7 +200,9 @@ def read_haplotype_edits(
     contig_map = dict(contig_map or {})
     if not os.path.isfile(vcf_path):
         raise VariantError(f"{vcf_path}: VCF file not found")
-    previous_verbosity = pysam.set_verbosity(1)  # htslib warns once per undeclared contig; the checks below say more
+    # htslib warns per undeclared contig, and of a missing index (E::idx_find_and_load, harmless: the file is read
+    # whole); the checks below say more
+    previous_verbosity = pysam.set_verbosity(0)
     try:
         with _readable(vcf_path) as text_path:
             try:

@@ -3,21 +3,23 @@
 `read_sites` reads every record once (pysam, as data/variants.py does: plain, BGZF or gzip VCF, or BCF), with the
 checks that must pass before any model runs: each CHROM is a FASTA contig (else the error names the VCF line and
 lists the FASTA's contigs), a declared contig length matches the FASTA, REF is a nucleotide sequence inside the
-contig, and a label field (for AUROC) and a subset field (AUROCs within subsets) are declared; `check_refs` then
-compares every REF with the FASTA. ALTs that are not sequence (symbolic `<DEL>`, breakends, `*`) are kept with
-their reason, to be skipped rather than refused: a multi-allelic record may hold one next to scorable ones.
+contig, POS at least 1, and a label field (for AUROC) and a subset field (AUROCs within subsets) are declared;
+`check_refs` then compares every REF with the FASTA. ALTs that are not sequence (symbolic `<DEL>`, breakends, `*`)
+and alleles with bases other than A, C, G and T (N, IUPAC codes: a model would score them as if they were bases) are
+kept with their reason, to be skipped rather than refused: a multi-allelic record may hold one next to scorable
+ones.
 
 `write_scored` writes the input's records unchanged plus one INFO field, Number=A Type=Float (`.` for an ALT that
-was not scored), or more (score-variants --supervised's second score), to a temporary file that replaces the output
-only when complete. Text, BGZF (`.gz`, `.bgz`) or BCF (`.bcf`) by the output's suffix. Line numbers come from
-data/variants.py's `_Locator` (text VCF: header lines plus the record's index plus one; BCF: the record's ordinal).
+was not scored), or more (score-variants --supervised's second score), to the caller's temporary (files/outputs.py
+staged), published with the TSV. Text, BGZF (`.gz`, `.bgz`) or BCF (`.bcf`) by the output's suffix. Line numbers
+come from data/variants.py's `_Locator` (text VCF: header lines plus the record's index plus one; BCF: the record's
+ordinal).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ import pysam
 
 from megagenome.data.fasta import Genome
 from megagenome.data.variants import _SEQUENCE, VariantError, _allele_problem, _known, _Locator, _readable
+from megagenome.files import outputs
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ def _site(
     subset_field: str | None = None,
 ) -> Site:
     at = f"{where(index)}: {rec.chrom}:{rec.pos}"
+    if rec.pos < 1:
+        raise VariantError(f"{at}: POS {rec.pos}: VCF positions start at 1")
     if rec.chrom not in contig_lengths:
         raise VariantError(
             f"{at}: CHROM {rec.chrom!r} is not a contig of the FASTA (its contigs: {_known(list(contig_lengths))})"
@@ -125,10 +130,16 @@ def _site(
     if rec.start + len(rec.ref) > length:
         raise VariantError(f"{at}: REF {rec.ref} runs past the end of {rec.chrom} (length {length})")
     alts = tuple(rec.alts or ())
-    unscorable = tuple(_allele_problem(alt) for alt in alts)
+    unscorable = tuple(_allele_problem(alt) or _ambiguous("ALT", alt) or _ambiguous("REF", rec.ref) for alt in alts)
     labels = _labels(vf, rec, label_field, len(alts)) if label_field else (None,) * len(alts)
     subsets = _labels(vf, rec, subset_field, len(alts)) if subset_field else ()
     return Site(index, where(index), rec.chrom, rec.start, rec.id or ".", rec.ref, alts, labels, unscorable, subsets)
+
+
+def _ambiguous(which: str, allele: str) -> str:
+    """Why an allele with bases other than A, C, G and T (N, an IUPAC code) is not scored, or ''."""
+    other = sorted(set(allele.upper()) - set("ACGT"))
+    return f"{which} {allele} has {', '.join(other)}: only A, C, G and T are scored" if other else ""
 
 
 def check_refs(genome: Genome, sites: Sequence[Site]) -> None:
@@ -169,11 +180,13 @@ def write_scored(
     description: str,
     contig_lengths: Mapping[str, int],
     more: Sequence[tuple[str, Sequence[Sequence[float | None]], str, str]] = (),
+    target: str | None = None,
 ) -> None:
     """The input VCF with INFO `info_field` (Number=A, Float) holding scores[record][alt] (None: `.`), and a field
-    per (field, scores, description, flag naming it) of `more`, written to a temporary file beside `out_path` and
-    renamed over it when complete. CHROMs the header does not declare are added as contig lines with the FASTA's
-    lengths, and END (which pysam writes for symbolic ALTs) when undeclared."""
+    per (field, scores, description, flag naming it) of `more`, in the format `out_path`'s suffix names, written to
+    `target` (the caller's temporary, files/outputs.py staged) or else to `out_path` directly. CHROMs the header
+    does not declare are added as contig lines with the FASTA's lengths, and END (which pysam writes for symbolic
+    ALTs) when undeclared."""
     out_path = os.fspath(out_path)
     mode = "wz" if out_path.endswith((".gz", ".bgz")) else "wb" if out_path.endswith(".bcf") else "w"
     fields = [(info_field, scores, description, "--info_field"), *more]
@@ -190,19 +203,12 @@ def write_scored(
         for contig, length in contig_lengths.items():
             if contig not in header.contigs:
                 header.contigs.add(contig, length=length)
-        fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=os.path.dirname(os.path.abspath(out_path)))
-        os.close(fd)
-        try:
-            with pysam.VariantFile(tmp, mode, header=header) as out:
-                for rec, *values in zip(vf, *(f[1] for f in fields), strict=True):
-                    if rec.alts:
-                        for (name, *_), per_alt in zip(fields, values):
-                            rec.info[name] = tuple(per_alt)
-                    out.write(rec)
-            os.replace(tmp, out_path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with pysam.VariantFile(target or out_path, mode, header=header) as out:
+            for rec, *values in zip(vf, *(f[1] for f in fields), strict=True):
+                if rec.alts:
+                    for (name, *_), per_alt in zip(fields, values):
+                        rec.info[name] = tuple(per_alt)
+                out.write(rec)
 
 
 def labelled_alts(sites: Sequence[Site], positives: Sequence[str]) -> list[tuple[int, int, bool]]:
@@ -221,7 +227,7 @@ def write_tsv(
 ) -> None:
     """One row per ALT: chrom, pos (1-based), id, ref, alt, method (`method(site, alt)`, or "skipped"), score ("NA"
     when skipped; 8 significant digits), with `labels` the label ("NA" when missing), then a column per entry of
-    `extra` (name -> per record, per ALT, the cell's text)."""
+    `extra` (name -> per record, per ALT, the cell's text); written whole to `path` (staged)."""
     extra = extra or {}
     columns = ["chrom", "pos", "id", "ref", "alt", "method", "score"] + (["label"] if labels else []) + list(extra)
     rows = []
@@ -234,14 +240,5 @@ def write_tsv(
 
 
 def write_text(path: str, text: str | bytes) -> None:
-    """`text` (UTF-8; or bytes as they are) written to a temporary file beside `path` and renamed over it when
-    complete."""
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(text.encode("utf-8") if isinstance(text, str) else text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """`text` (UTF-8; or bytes as they are) written whole to `path` or not at all (files/outputs.py)."""
+    outputs.write_text(path, text)

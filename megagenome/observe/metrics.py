@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -192,6 +193,19 @@ def finite_row(row: dict) -> dict:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """All rows of a metrics.jsonl file."""
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """All rows of a metrics.jsonl file. A last line cut short (what a killed or still-running run leaves) is skipped
+    with a warning on stderr; an unreadable line before it is a ValueError naming the file and line."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = fh.read().split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if any(rest.strip() for rest in lines[number:]):
+                raise ValueError(f"{path}:{number}: not a JSON line ({e.msg}); the file is damaged") from e
+            print(f"megagenome: warning: {path}:{number}: the last line is cut short (a run killed or still "
+                  "writing); skipped", file=sys.stderr)  # fmt: skip
+    return rows

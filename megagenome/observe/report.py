@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from megagenome.files.outputs import OutputError, check_outputs, staged
 from megagenome.observe.metrics import read_metrics
 
 
@@ -163,16 +164,15 @@ def figure(plot: Plot, records: RunRecords):
     return fig
 
 
-def draw(plots, records: RunRecords, out: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Each plot's PNG written into `out`: ({name: file name} drawn, {name: why not} skipped)."""
+def draw(plots, records: RunRecords) -> tuple[dict, dict[str, str]]:
+    """Each plot's figure: ({name: figure} drawn, {name: why not} skipped)."""
     drawn, skipped = {}, {}
     for plot in plots:
         fig = figure(plot, records)
         if isinstance(fig, str):
             skipped[plot.name] = fig
         else:
-            fig.savefig(os.path.join(out, f"{plot.name}.png"))
-            drawn[plot.name] = f"{plot.name}.png"
+            drawn[plot.name] = fig
     return drawn, skipped
 
 
@@ -304,22 +304,37 @@ def markdown(records: RunRecords, drawn: dict[str, str], skipped: dict[str, str]
 def report(run_dir: str, output: str | None = None) -> dict:
     """Write the PNGs and report.md of `run_dir` into `output` (default run_dir/report). Returns {"report": path
     of report.md, "plots": {name: png path}, "skipped": {name: why}}."""
-    records = load(run_dir)
     out = output or os.path.join(run_dir, "report")
-    os.makedirs(out, exist_ok=True)
-    drawn, skipped = draw(PLOTS, records, out)
-    path = os.path.join(out, "report.md")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(markdown(records, drawn, skipped))
-    plots = {name: os.path.join(out, file) for name, file in drawn.items()}
+    try:  # before any work: report.md (and the PNGs beside it) can be written there
+        check_outputs([("--output" if output else "the report directory", os.path.join(out, "report.md"))], True)
+    except OutputError as e:
+        raise ReportError(str(e)) from e
+    records = load(run_dir)
+    figures, skipped = draw(PLOTS, records)
+    path, plots = publish(out, figures, lambda drawn: markdown(records, drawn, skipped))
     return {"report": path, "plots": plots, "skipped": skipped}
+
+
+def publish(out: str, figures: dict, markdown_of) -> tuple[str, dict[str, str]]:
+    """Each figure as out/<name>.png and report.md (the text markdown_of({name: file name}) gives) published together
+    (files/outputs.py staged: all or none; an earlier report is replaced only by a complete one); (report.md's path,
+    {name: PNG path})."""
+    drawn = {name: f"{name}.png" for name in figures}
+    path = os.path.join(out, "report.md")
+    plots = {name: os.path.join(out, file) for name, file in drawn.items()}
+    with staged(*plots.values(), path) as temps:
+        for fig, tmp in zip(figures.values(), temps):
+            fig.savefig(tmp, format="png")
+        with open(temps[-1], "w", encoding="utf-8") as fh:
+            fh.write(markdown_of(drawn))
+    return path, plots
 
 
 def main(ns) -> int:
     """`megagenome report RUN [--output DIR]`: exit 0, or 2 with a message when RUN cannot be reported on."""
     try:
         result = report(ns.run, getattr(ns, "output", None))
-    except ReportError as e:
+    except (ReportError, ValueError) as e:  # ValueError: a damaged metrics.jsonl (its file and line)
         print(f"megagenome report: error: {e}", file=sys.stderr)
         return 2
     print(f"megagenome report: {result['report']} and {len(result['plots'])} plot(s)")

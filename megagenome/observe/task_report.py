@@ -18,7 +18,8 @@ import json
 import os
 import sys
 
-from megagenome.observe.report import Plot, ReportError, RunRecords, draw, load
+from megagenome.files.outputs import check_outputs
+from megagenome.observe.report import Plot, ReportError, RunRecords, draw, load, publish
 
 METRICS = {
     "classification": ("accuracy", "mcc", "auroc"),
@@ -44,11 +45,9 @@ def report(records: RunRecords, out: str) -> dict:
     """Write the PNGs and report.md of a fine-tuning run's records into `out`; report.py's result dict."""
     with open(os.path.join(records.run_dir, "task.json"), encoding="utf-8") as fh:
         task = json.load(fh)
-    drawn, skipped = draw(plots(task["task"]), records, out)
-    path = os.path.join(out, "report.md")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(markdown(records, task, drawn, skipped))
-    return {"report": path, "plots": {n: os.path.join(out, f) for n, f in drawn.items()}, "skipped": skipped}
+    figures, skipped = draw(plots(task["task"]), records)
+    path, drawn = publish(out, figures, lambda names: markdown(records, task, names, skipped))
+    return {"report": path, "plots": drawn, "skipped": skipped}
 
 
 def markdown(records: RunRecords, task: dict, drawn: dict[str, str], skipped: dict[str, str]) -> str:
@@ -101,14 +100,14 @@ def is_task_run(run_dir: str) -> bool:
 
 def main(ns) -> int:
     """`megagenome report RUN [--output DIR]` of a fine-tuning run: exit 0, or 2 with a message."""
+    out = getattr(ns, "output", None) or os.path.join(ns.run, "report")
     try:
+        check_outputs([("--output", os.path.join(out, "report.md"))], overwrite=True)  # before any work
         records = load(ns.run)
-    except ReportError as e:
+        result = report(records, out)
+    except (ReportError, ValueError) as e:  # ValueError: an unwritable --output, a damaged metrics.jsonl
         print(f"megagenome report: error: {e}", file=sys.stderr)
         return 2
-    out = getattr(ns, "output", None) or os.path.join(ns.run, "report")
-    os.makedirs(out, exist_ok=True)
-    result = report(records, out)
     print(f"megagenome report: {result['report']} and {len(result['plots'])} plot(s)")
     for name, why in result["skipped"].items():
         print(f"  not drawn: {name}.png ({why})")

@@ -42,6 +42,13 @@ def read_task_data(cfg: FinetuneConfig, context: int) -> TaskData:
     except (OSError, ValueError) as e:
         raise ConfigError([f"--data: {e}"]) from e
     if "validation" not in data.splits or not data.splits["validation"]:
+        n = len(data.splits.get("train", []))
+        if n < 2 and d.validation_fraction > 0:
+            raise ConfigError([
+                f"--data: the training set has {n} example(s) ({data.source}); holding out a validation split "
+                "(--data.validation_fraction) needs at least 2, and fine-tuning needs far more: give more "
+                "training examples, or a validation set of its own (--data.validation_bed)"
+            ])  # fmt: skip
         train, validation = labelled.split_validation(data.splits["train"], d.validation_fraction, d.seed, d.task)
         data.splits["train"], data.splits["validation"] = train, validation
     data.splits.setdefault("test", [])

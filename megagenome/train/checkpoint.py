@@ -25,7 +25,7 @@ import shutil
 import torch
 
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.train import integrity, universal  # universal: a DeepSpeed seam, deepspeed imported inside
+from megagenome.train import integrity, safe_load, universal  # universal: a DeepSpeed seam, deepspeed imported inside
 from megagenome.train.integrity import MARKER, SaveError, verify
 from megagenome.train.integrity import agree_on_resume as agree_on_resume  # re-exported: part of this interface
 
@@ -75,7 +75,8 @@ def resolve_resume(resume: str, root: str) -> str | None:
         return latest_complete(root)
     path = os.path.abspath(resume)
     if not os.path.isdir(path):
-        raise ValueError(f"--checkpoint.resume={resume}: no such directory")
+        what = "a file, not a directory" if os.path.exists(path) else "no such directory"
+        raise ValueError(f"--checkpoint.resume={resume}: {what}")
     if os.path.exists(os.path.join(path, MARKER)):
         return path
     inner = latest_complete(path)
@@ -221,6 +222,7 @@ def load(engine, path: str, rank: int, restore_rng: bool = True) -> dict:
     root, tag = os.path.split(path.rstrip("/"))
     rng_file = os.path.join(path, f"rng_rank{rank:05d}.pt")
     try:
+        safe_load.vet(path)  # DeepSpeed unpickles fully: nothing in the checkpoint may name another global
         loaded, client_state = engine.load_checkpoint(
             root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
@@ -228,7 +230,7 @@ def load(engine, path: str, rank: int, restore_rng: bool = True) -> dict:
             raise ValueError("DeepSpeed found nothing to load")
         universal.repair_universal_load(engine, path)
         if restore_rng and os.path.exists(rng_file):
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            _set_rng_state(safe_load.load(rng_file))
     except Exception as e:
         raise ValueError(integrity.load_failure(path, e)) from e
     return client_state or {}
@@ -357,7 +359,8 @@ def resolve_source(checkpoint: str) -> str:
     run directory (its checkpoints/); the newest complete one of the latter two. Raises ValueError saying why not."""
     path = os.path.abspath(checkpoint)
     if not os.path.isdir(path):
-        raise ValueError(f"--checkpoint={checkpoint}: no such directory")
+        what = "a file, not a directory" if os.path.exists(checkpoint) else "no such directory"
+        raise ValueError(f"--checkpoint={checkpoint}: {what}")
     if _TAG.match(os.path.basename(path)):
         if not os.path.exists(os.path.join(path, MARKER)):
             raise ValueError(
@@ -407,6 +410,12 @@ def convert_to_universal(checkpoint: str, output: str | None = None, workers: in
     final = os.path.join(out_root, tag)
     if os.path.exists(final):
         raise ValueError(f"{final} already exists; remove it or choose another --output (nothing is overwritten)")
+    problems = integrity.verify(src)
+    if problems:
+        raise ValueError(f"{src} does not match its manifest ({'; '.join(problems)}): restore these files or convert "
+                         "an earlier checkpoint; nothing was written")  # fmt: skip
+    safe_load.vet(src)  # before anything is written: the converter unpickles every file fully
+    created = not os.path.exists(out_root)
     os.makedirs(out_root, exist_ok=True)
     work = os.path.join(out_root, f".{tag}.converting-{os.getpid()}")
     staged = os.path.join(work, tag)  # DeepSpeed writes `latest_universal` into work/, which is then removed
@@ -421,6 +430,8 @@ def convert_to_universal(checkpoint: str, output: str | None = None, workers: in
         os.rename(staged, final)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if created and not os.path.exists(final) and not os.listdir(out_root):
+            os.rmdir(out_root)  # a failed conversion leaves no empty --output behind
     return final
 
 

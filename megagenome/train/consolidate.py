@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import torch
 
@@ -31,35 +32,72 @@ from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import family_of
 from megagenome.parallel import pipeline
 from megagenome.parallel.tensor_parallel import merge_shards
-from megagenome.train import checkpoint
+from megagenome.train import checkpoint, integrity, safe_load
 from megagenome.train.ds_config import zero_stage
+from megagenome.train.safe_load import CheckpointError
+
+__all__ = ["CheckpointError", "checkpoint_tag", "check_shapes", "dense_state_dict", "module_shards", "run_weights"]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as the model its run config describes."""
+def checkpoint_tag(run_dir: str, step: int | None = None, level: str = "digest") -> str:
+    """The newest complete checkpoint of a run directory whose files match their manifest (integrity.verify at
+    `level`), or the one of `step`; a clear error when there is none.
 
-
-def checkpoint_tag(run_dir: str, step: int | None = None) -> str:
-    """The newest complete checkpoint of a run directory, or the one of `step`; a clear error when there is none."""
+    As resume does: each newer checkpoint that fails verification is skipped with a warning (stderr, rank 0) naming
+    its bad files and the checkpoint read instead; a `step` named explicitly that fails is refused, nothing else
+    tried."""
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
         raise CheckpointError(f"{run_dir}: not a run directory (no config.yaml)")
-    path = checkpoint.latest_complete(root) if step is None else os.path.join(root, checkpoint.tag_for(step))
-    if path is None or not os.path.exists(os.path.join(path, checkpoint.MARKER)):
-        found = ", ".join(str(s) for s, _ in checkpoint.complete_tags(root)) or "none"
+    complete = checkpoint.complete_tags(root)
+    if step is None:
+        candidates = [path for _, path in reversed(complete)]
+    else:
+        candidates = [path for s, path in complete if s == step]
+    if not candidates:
+        found = ", ".join(str(s) for s, _ in complete) or "none"
         which = "" if step is None else f" of step {step}"
         raise CheckpointError(f"{run_dir}: no complete checkpoint{which} (complete steps: {found})")
-    return path
+    damaged = []
+    for path in candidates:
+        problems = integrity.verify(path, level)
+        if not problems:
+            if int(os.environ.get("RANK", "0")) == 0:
+                for line in integrity.resume_warnings(damaged, path):
+                    print(f"megagenome: warning: {line.replace('resuming', 'reading it')}", file=sys.stderr)
+            return path
+        damaged.append((path, problems))
+    listing = " | ".join(f"{p}: {'; '.join(problems)}" for p, problems in damaged)
+    raise CheckpointError(
+        f"{run_dir}: no complete checkpoint{'' if step is None else f' of step {step}'} matches its manifest "
+        f"({listing}); restore the damaged files{' or give another --step' if step is not None else ''}"
+    )
 
 
 def run_weights(run_dir: str, step: int | None = None) -> tuple[RootConfig, dict[str, torch.Tensor], str]:
     """(the run's config, its dense weights, the checkpoint directory read) of a run directory's newest complete
-    checkpoint or the one of `step`."""
-    cfg = load_config(os.path.join(run_dir, "config.yaml"))
-    tag = checkpoint_tag(run_dir, step)
+    checkpoint that verifies, or the one of `step`."""
+    cfg = read_run_config(run_dir)
+    tag = checkpoint_tag(run_dir, step, cfg.checkpoint.verify)
     ds_path = os.path.join(run_dir, "ds_config.json")
-    ds_json = json.load(open(ds_path, encoding="utf-8")) if os.path.exists(ds_path) else {}
+    try:
+        ds_json = json.load(open(ds_path, encoding="utf-8")) if os.path.exists(ds_path) else {}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ds_path}: not readable as JSON ({e})") from e
     return cfg, dense_state_dict(tag, cfg, ds_json), tag
+
+
+def read_run_config(run_dir: str) -> RootConfig:
+    """A run directory's config.yaml, a CheckpointError naming it when missing or broken (never a traceback)."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{run_dir}: not a run directory (no config.yaml)")
+    try:
+        return load_config(path)
+    except Exception as e:  # jsonargparse's errors have no common base: any failure is a broken file
+        first = " ".join(str(e).split())[:400]
+        raise CheckpointError(f"{path}: not a readable run config ({first}); restore it from the run's backup or "
+                              "give another run directory") from e  # fmt: skip
 
 
 def dense_state_dict(tag: str, cfg: RootConfig, ds_json: dict) -> dict[str, torch.Tensor]:
@@ -85,12 +123,22 @@ def module_shards(tag: str, ds_json: dict) -> list[dict[str, torch.Tensor]]:
     if zero_stage(ds_json) == 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        safe_load.vet(tag)  # zero_to_fp32 unpickles fully: nothing in the directory may name another global
         parent, name = os.path.split(os.path.normpath(tag))
-        return [dict(get_fp32_state_dict_from_zero_checkpoint(parent, name))]
+        try:
+            return [dict(get_fp32_state_dict_from_zero_checkpoint(parent, name))]
+        except Exception as e:  # DeepSpeed's reader: a truncated or inconsistent partition, whatever it raises
+            raise CheckpointError(f"{tag}: DeepSpeed's zero_to_fp32 could not read it ({type(e).__name__}: {e})") from e
     files = sorted(glob.glob(os.path.join(tag, "mp_rank_*_model_states.pt")))
     if not files:
         raise CheckpointError(f"{tag}: no mp_rank_*_model_states.pt files")
-    return [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
+    return [_module_of(safe_load.load(f), f) for f in files]
+
+
+def _module_of(state, path: str) -> dict[str, torch.Tensor]:
+    if not isinstance(state, dict) or not isinstance(state.get("module"), dict):
+        raise CheckpointError(f"{path}: not a DeepSpeed model-states file (no 'module' state dict)")
+    return state["module"]
 
 
 def _universal(tag: str) -> dict[str, torch.Tensor]:
@@ -99,7 +147,10 @@ def _universal(tag: str) -> dict[str, torch.Tensor]:
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name, "fp32.pt")
         if os.path.isfile(path):
-            state[name] = torch.load(path, map_location="cpu", weights_only=False)["param"]
+            loaded = safe_load.load(path)
+            if not isinstance(loaded, dict) or "param" not in loaded:
+                raise CheckpointError(f"{path}: not a universal checkpoint's parameter file (no 'param')")
+            state[name] = loaded["param"]
     return state
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from megagenome.train import safe_load
+
 
 def universal_checkpoint_info(model) -> dict:
     """What DeepSpeed's ds_to_universal needs to merge this model's tensor-parallel shards, saved with every
@@ -50,7 +52,7 @@ def repair_universal_load(engine, tag_dir: str) -> None:
 
     if not (engine.load_universal_checkpoint() and engine.zero_optimization_stage() == 3):
         return
-    state = torch.load(os.path.join(tag_dir, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False)
+    state = safe_load.load(os.path.join(tag_dir, "zero", "optimizer_state.pt"))
     saved = state["optimizer_state_dict"]["param_groups"]
     optimizer = engine.optimizer.optimizer  # the wrapped torch optimizer
     if len(saved) != len(optimizer.param_groups):
@@ -71,13 +73,12 @@ def _check_tensor_parallel_info(tag_dir: str) -> None:
     weights included, and the result would fail to load deep inside DeepSpeed."""
     import glob
 
-    import torch
     from deepspeed.checkpoint import constants as C
 
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if len(files) < 2:
         return  # one model-parallel rank: nothing to merge
-    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    state = safe_load.load(files[0], mmap=True)
     info = state.get(C.UNIVERSAL_CHECKPOINT_INFO) or {}
     if C.TP_REPLICATED_PARAMETER_PATTERNS not in info:
         raise ValueError(
@@ -100,6 +101,7 @@ def to_universal(src_tag_dir: str, out_tag_dir: str, workers: int = 1) -> str:
     import subprocess
     import sys
 
+    safe_load.vet(src_tag_dir)  # the converter unpickles fully: nothing in the checkpoint may name another global
     _check_tensor_parallel_info(src_tag_dir)
     cmd = [
         sys.executable,
