@@ -75,7 +75,7 @@ def test_eval_replaces_a_result_only_with_a_complete_one(model, tmp_path):
 
     full = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, preexec_fn=limit, timeout=300)
     assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr
-    assert "File too large" in full.stderr and str(tmp_path) in full.stderr, full.stderr
+    assert f"error: --output {out}: File too large" in full.stderr, full.stderr
     assert out.read_text() == '{"earlier": true}\n' and not leftovers(tmp_path)
     ok = cli_here("eval", model, "--fasta", PHIX, "--output", str(out), "--overwrite", "--progress", "false")
     assert ok.returncode == 0 and "bits_per_base" in out.read_text(), ok.stderr
@@ -193,3 +193,11 @@ def test_embed_warns_of_rows_that_are_all_n_and_publishes_both_outputs(model, tm
     assert proc.returncode == 0 and "1 of 2 rows are all N, their embeddings carry no sequence: gap" in proc.stderr
     assert out.exists() and (tmp_path / "e.tsv").exists() and not leftovers(tmp_path)
     assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~outputs.umask())
+
+
+def test_prepare_refuses_a_validation_range_that_is_all_n(tmp_path):
+    (tmp_path / "g.fa").write_text(">c\n" + "ACGTTGCAAGGCTTAC" * 100 + "N" * 2000 + "\n")
+    (tmp_path / "m.yaml").write_text("sources:\n  - name: g\n    fasta: g.fa\n    val_ranges: ['c:1700-3500']\n")
+    proc = cli_here("prepare", "--manifest", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "source g: its val regions (c:1700-3500) hold no base" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

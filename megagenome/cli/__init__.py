@@ -168,8 +168,25 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
         print(f"{prog}: interrupted ({signal.Signals(signum).name}); stopped with nothing written", file=sys.stderr)
         return SIGNAL_EXIT.get(signum, 128 + signum)
     except OSError as e:
-        print(f"{prog}: error: {describe_os_error(e)} (--debug shows where)", file=sys.stderr)
+        flag = flag_of(parsed.argv, e.filename)
+        print(f"{prog}: error: {flag + ' ' if flag else ''}{describe_os_error(e)} (--debug shows where)",
+              file=sys.stderr)  # fmt: skip
         return 2
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
+
+
+def flag_of(argv: list[str], path) -> str | None:
+    """The flag whose value on the command line is `path` (or names the same file), for an error about that path."""
+    if path is None:
+        return None
+    want = os.path.abspath(os.fspath(path))
+    for flag, value in zip(argv, argv[1:]):
+        if flag.startswith("--") and not value.startswith("--") and os.path.abspath(value) == want:
+            return flag
+    for arg in argv:  # --flag=value
+        flag, eq, value = arg.partition("=")
+        if eq and flag.startswith("--") and os.path.abspath(value) == want:
+            return flag
+    return None

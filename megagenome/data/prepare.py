@@ -180,6 +180,7 @@ def _write_unit(src, manifest, out, haplotype, n_hap, reference: dict[str, bytes
     digest = hashlib.sha256()
     try:
         contigs = _write_shard(tmp, src, haplotype, reference, edits, declared, intervals, manifest.max_n_run, digest)
+        _check_held_out(src, declared, contigs, manifest.max_n_run)
         os.replace(tmp, final)
     except BaseException:  # a bad VCF record, a full disk, an interrupt: no temporary shard is left behind
         with contextlib.suppress(FileNotFoundError):
@@ -203,6 +204,21 @@ def _write_unit(src, manifest, out, haplotype, n_hap, reference: dict[str, bytes
     }
     atomic_write(os.path.join(out, layout.SHARDS, f"{name}.json"), json.dumps(entry, indent=1) + "\n")
     return entry
+
+
+def _check_held_out(src, declared: dict, contigs: list[dict], max_n_run: int) -> None:
+    """A held-out split the source declares (val_contigs/val_ranges, test_*) that holds no base to train or evaluate
+    on (all N, or outside the BED intervals) is an error, not an empty split found at training time."""
+    for part in layout.SPLITS:
+        if part == "train" or not declared.get(part):
+            continue
+        if not any(e > s for c in contigs for s, e in c["split"][part]):
+            where = ", ".join(f"{r.contig}:{r.start + 1}-{r.end}" for r in declared[part][:3])
+            raise ManifestError(
+                f"source {src.name}: its {part} regions ({where}) hold no base outside runs of more than max_n_run="
+                f"{max_n_run} N (or outside its BED intervals): the {part} split would be empty; choose other "
+                f"{part}_contigs/{part}_ranges"
+            )
 
 
 def _write_shard(tmp, src, haplotype, reference, edits, declared, intervals, max_n_run, digest) -> list[dict]:
