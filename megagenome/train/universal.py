@@ -119,7 +119,11 @@ def to_universal(src_tag_dir: str, out_tag_dir: str, workers: int = 1) -> str:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        tail = "\n".join(output.strip().splitlines()[-15:])
-        raise RuntimeError(f"DeepSpeed's ds_to_universal failed (exit {proc.returncode}) on {src_tag_dir}:\n{tail}")
+    if proc.returncode != 0:  # its last line (the exception, not the child's traceback) and how to see the rest
+        last = next((line for line in reversed(output.strip().splitlines()) if line.strip()), "no output")
+        raise RuntimeError(
+            f"DeepSpeed's ds_to_universal failed (exit {proc.returncode}) on {src_tag_dir}: {last.strip()}. Its whole "
+            f"output: python -m deepspeed.checkpoint.ds_to_universal --input_folder {src_tag_dir} --output_folder "
+            "/tmp/x --inject_missing_state"
+        )
     return output
