@@ -102,13 +102,15 @@ def test_a_signal_ends_a_command_in_one_line_with_nothing_written(model, tmp_pat
 def test_a_killed_commands_temporaries_are_swept_by_the_next(model, tmp_path):
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid: a process that no longer runs
-    (tmp_path / f".s.fa.partial-{gone.pid}-abc").write_text("half")  # a killed generate's temporary file
-    (tmp_path / f".x.partial-{gone.pid}").mkdir()  # and a killed export's temporary directory
-    mine = tmp_path / f".s.fa.partial-{os.getpid()}-keep"  # a live process's: kept
-    mine.write_text("live")
+    host = outputs._host()
+    (tmp_path / f".s.fa.partial-{gone.pid}-{host}-abc").write_text("half")  # a killed generate's temporary file
+    (tmp_path / f".x.partial-{gone.pid}").mkdir()  # and a killed export's directory (named before hosts were)
+    kept = [f".s.fa.partial-{os.getpid()}-{host}-keep", f".s.fa.partial-{gone.pid}-othernode-keep"]  # live; elsewhere
+    for name in kept:
+        (tmp_path / name).write_text("in use")
     proc = cli_here("generate", model, "--output", str(tmp_path / "s.fa"), "--length", "5", "--progress", "false")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, "s.fa"])
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, "s.fa"])
 
 
 def test_report_skips_a_cut_short_last_metrics_line(tmp_path):

@@ -190,3 +190,7 @@ def flag_of(argv: list[str], path) -> str | None:
         if eq and flag.startswith("--") and os.path.abspath(value) == want:
             return flag
     return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,8 @@ What every command that writes files holds to (docs/when-things-go-wrong.md):
   turns SIGTERM into an exception, cli/__init__.py) removes the temporaries. Missing parent directories are created
   then, not before.
 - A process killed outright (SIGKILL, a power cut) cannot clean up: the next command writing into that directory
-  removes the temporaries whose process is gone (sweep_stale).
+  removes the temporaries whose process is gone (sweep_stale: named by pid and host, so that a process of another
+  node sharing the file system is never taken for a dead one).
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ import errno
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Sequence
 
-_STALE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)(-.*)?$")
+# .<name>.partial-<pid>-<host>-<random>: the host, so that on a shared file system a temporary of a process running on
+# another node is never taken for a dead one's; .<name>.partial-<pid>: an export's, before the host was recorded.
+_STALE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)(?:-(?P<host>[A-Za-z0-9_]+)-[^-]*)?$")
 
 
 class OutputError(ValueError):
@@ -72,7 +76,7 @@ def sweep_stale(folder: str) -> list[str]:
         return removed
     for name in names:
         m = _STALE.match(name)
-        if m is None or int(m.group("pid")) == os.getpid() or _alive(int(m.group("pid"))):
+        if m is None or m.group("host") not in (None, _host()) or _alive(int(m.group("pid"))):
             continue
         path = os.path.join(folder, name)
         if os.path.isdir(path) and not os.path.islink(path):
@@ -82,6 +86,10 @@ def sweep_stale(folder: str) -> list[str]:
                 os.unlink(path)
         removed.append(path)
     return removed
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
 
 
 def _alive(pid: int) -> bool:
@@ -100,7 +108,7 @@ def temporary_beside(path: str, directory: bool = False) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     sweep_stale(folder)
-    prefix = f".{os.path.basename(path)}.partial-{os.getpid()}-"
+    prefix = f".{os.path.basename(path)}.partial-{os.getpid()}-{_host()}-"
     if directory:
         tmp = tempfile.mkdtemp(prefix=prefix, dir=folder)
         os.chmod(tmp, 0o777 & ~umask())
