@@ -250,6 +250,20 @@ def test_checkpointing_trades_memory_for_time():
 PLAN = ["plan", "--config", "configs/dna_125m.yaml", "--gpus", "8", "--gpu_memory_gb", "80", "--gpu", "H100"]
 
 
+@pytest.mark.parametrize(
+    "gpu, gib", [("V100", 32), ("L40S", 48), ("H200", 141), ("H100", 80), ("A100-SXM4-40GB", 40), ("MI300X", 192)]
+)
+def test_plan_takes_the_gpus_memory_from_its_name(gpu, gib):
+    """--gpu_memory_gb defaults to the GPU's memory (observe/metrics.py's table, a size in the name first): a V100 or
+    an L40S plan is not judged against 80 GiB."""
+    base = ["plan", "--config", "configs/dna_125m.yaml", "--gpus", "8", "--json"]
+    out = cli_here(*base, "--gpu", gpu)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["cluster"]["gpu_memory_gb"] == gib
+    unknown = cli_here(*base, "--gpu", "Quadro K600", "--peak_tflops", "1")
+    assert unknown.returncode == 2 and "give --gpu_memory_gb" in unknown.stderr
+
+
 def test_cli_prints_tables_recommendation_and_scaling():
     out = cli_here(*PLAN)
     assert out.returncode == 0, out.stderr

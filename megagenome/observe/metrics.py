@@ -17,61 +17,77 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-# Dense (no 2:4 sparsity) bf16 tensor-core peak TFLOP/s per device as PyTorch enumerates devices, from vendor
-# datasheets: (pattern, name, TFLOP/s). Patterns are matched against the device name upper-cased with "-" and
-# "_" read as spaces, in order, so a variant (PCIe, NVL) comes before its family's default (SXM).
-PEAK_TFLOPS: list[tuple[str, str, float]] = [
+# Dense (no 2:4 sparsity) bf16 tensor-core peak TFLOP/s and memory per device as PyTorch enumerates devices, from
+# vendor datasheets: (pattern, name, TFLOP/s, GB). The memory is the family's largest common variant (a size in the
+# device name, "A100-SXM4-40GB", wins: gpu_memory_gib), the datasheet's GB read as GiB: what torch reports usable is
+# 1-2% less (H100 80GB: 79.6 GiB, H200: 139.8), which the planner's --memory_margin covers. Patterns are matched
+# against the device name upper-cased with "-" and "_" read as spaces, in order, so a variant (PCIe, NVL) comes
+# before its family's default (SXM).
+PEAK_TFLOPS: list[tuple[str, str, float, float]] = [
     # Hopper / Blackwell
-    (r"\bGH200\b", "GH200", 989.0),  # the Hopper GPU of Grace Hopper: H100 SXM's tensor cores
-    (r"\bGB200\b", "GB200", 2500.0),  # per GPU of an NVL72: 5 PFLOP/s sparse
-    (r"\bH200\b.*\bNVL\b", "H200 NVL", 835.0),
-    (r"\bH200\b", "H200 SXM", 989.0),
-    (r"\bH100\b.*\bNVL\b", "H100 NVL", 835.0),
-    (r"\bH100\b.*\bPCIE\b", "H100 PCIe", 756.0),
-    (r"\bH100\b", "H100 SXM", 989.0),  # "NVIDIA H100 80GB HBM3"
-    (r"\bH800\b.*\bPCIE\b", "H800 PCIe", 756.0),
-    (r"\bH800\b", "H800 SXM", 989.0),
-    (r"\bH20\b", "H20", 148.0),
-    (r"\bB200\b", "B200", 2250.0),  # HGX B200: 36 PFLOP/s sparse over 8 GPUs
-    (r"\bB100\b", "B100", 1750.0),
+    (r"\bGH200\b", "GH200", 989.0, 96),  # the Hopper GPU of Grace Hopper: H100 SXM's tensor cores
+    (r"\bGB200\b", "GB200", 2500.0, 186),  # per GPU of an NVL72: 5 PFLOP/s sparse
+    (r"\bH200\b.*\bNVL\b", "H200 NVL", 835.0, 141),
+    (r"\bH200\b", "H200 SXM", 989.0, 141),
+    (r"\bH100\b.*\bNVL\b", "H100 NVL", 835.0, 94),
+    (r"\bH100\b.*\bPCIE\b", "H100 PCIe", 756.0, 80),
+    (r"\bH100\b", "H100 SXM", 989.0, 80),  # "NVIDIA H100 80GB HBM3"
+    (r"\bH800\b.*\bPCIE\b", "H800 PCIe", 756.0, 80),
+    (r"\bH800\b", "H800 SXM", 989.0, 80),
+    (r"\bH20\b", "H20", 148.0, 96),
+    (r"\bB200\b", "B200", 2250.0, 180),  # HGX B200: 36 PFLOP/s sparse over 8 GPUs
+    (r"\bB100\b", "B100", 1750.0, 180),
     # Ampere
-    (r"\bA100\b.*\bPCIE\b", "A100 PCIe", 312.0),  # 40GB and 80GB alike
-    (r"\bA100\b", "A100 SXM", 312.0),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"
-    (r"\bA800\b.*\bPCIE\b", "A800 PCIe", 312.0),
-    (r"\bA800\b", "A800 SXM", 312.0),
-    (r"\bA40\b", "A40", 149.7),
-    (r"\bA30\b", "A30", 165.0),
-    (r"\bA10G\b", "A10G", 70.0),  # AWS's variant (G5 instances); NVIDIA publishes no datasheet for it
-    (r"\bA10\b", "A10", 125.0),
-    (r"\bRTX A6000\b", "RTX A6000", 154.8),
+    (r"\bA100\b.*\bPCIE\b", "A100 PCIe", 312.0, 80),  # 40GB and 80GB alike
+    (r"\bA100\b", "A100 SXM", 312.0, 80),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"
+    (r"\bA800\b.*\bPCIE\b", "A800 PCIe", 312.0, 80),
+    (r"\bA800\b", "A800 SXM", 312.0, 80),
+    (r"\bA40\b", "A40", 149.7, 48),
+    (r"\bA30\b", "A30", 165.0, 24),
+    (r"\bA10G\b", "A10G", 70.0, 24),  # AWS's variant (G5 instances); NVIDIA publishes no datasheet for it
+    (r"\bA10\b", "A10", 125.0, 24),
+    (r"\bRTX A6000\b", "RTX A6000", 154.8, 48),
     # Ada Lovelace
-    (r"\bL40S\b", "L40S", 362.0),
-    (r"\bL40\b", "L40", 181.0),
-    (r"\bL4\b", "L4", 121.0),
-    (r"\bRTX 6000 ADA\b", "RTX 6000 Ada", 364.2),
-    (r"\bRTX 4090\b", "RTX 4090", 165.2),  # with fp32 accumulation (GeForce: 330 with fp16 accumulation)
+    (r"\bL40S\b", "L40S", 362.0, 48),
+    (r"\bL40\b", "L40", 181.0, 48),
+    (r"\bL4\b", "L4", 121.0, 24),
+    (r"\bRTX 6000 ADA\b", "RTX 6000 Ada", 364.2, 48),
+    (r"\bRTX 4090\b", "RTX 4090", 165.2, 24),  # with fp32 accumulation (GeForce: 330 with fp16 accumulation)
     # No bf16 at all: their fp16 tensor-core peak, the precision such a GPU trains in.
-    (r"\bV100S\b", "V100S (fp16, no bf16)", 130.0),
-    (r"\bV100\b.*\bPCIE\b", "V100 PCIe (fp16, no bf16)", 112.0),
-    (r"\bV100\b", "V100 SXM2 (fp16, no bf16)", 125.0),
-    (r"\bT4\b", "T4 (fp16, no bf16)", 65.0),
+    (r"\bV100S\b", "V100S (fp16, no bf16)", 130.0, 32),
+    (r"\bV100\b.*\bPCIE\b", "V100 PCIe (fp16, no bf16)", 112.0, 32),
+    (r"\bV100\b", "V100 SXM2 (fp16, no bf16)", 125.0, 32),
+    (r"\bT4\b", "T4 (fp16, no bf16)", 65.0, 16),
     # AMD Instinct. An MI250X or MI250 module is two GCDs, each its own PyTorch device (named after the module):
     # the per-device peak is half the module's datasheet 383 (MI250X) or 362 (MI250).
-    (r"\bMI325X\b", "MI325X", 1307.4),
-    (r"\bMI300X\b", "MI300X", 1307.4),
-    (r"\bMI300A\b", "MI300A", 980.6),
-    (r"\bMI250X\b", "MI250X GCD", 191.5),
-    (r"\bMI250\b", "MI250 GCD", 181.0),
-    (r"\bMI210\b", "MI210", 181.0),
+    (r"\bMI325X\b", "MI325X", 1307.4, 256),
+    (r"\bMI300X\b", "MI300X", 1307.4, 192),
+    (r"\bMI300A\b", "MI300A", 980.6, 128),
+    (r"\bMI250X\b", "MI250X GCD", 191.5, 64),
+    (r"\bMI250\b", "MI250 GCD", 181.0, 64),
+    (r"\bMI210\b", "MI210", 181.0, 64),
 ]
 
 
 def gpu_peak(device_name: str) -> tuple[str, float] | None:
     """(table name, datasheet peak TFLOP/s) of the first PEAK_TFLOPS pattern matching a device name, else None."""
     key = re.sub(r"[-_]", " ", device_name.upper())
-    for pattern, name, tflops in PEAK_TFLOPS:
+    for pattern, name, tflops, _ in PEAK_TFLOPS:
         if re.search(pattern, key):
             return name, tflops
+    return None
+
+
+def gpu_memory_gib(device_name: str) -> float | None:
+    """Memory per device in GiB for a GPU name: a size the name states ("A100-SXM4-40GB", "V100 16GB"), else the
+    PEAK_TFLOPS table's for its family; None when unknown."""
+    stated = re.search(r"(\d+)\s*GB\b", device_name.upper())
+    if stated:
+        return float(stated.group(1))
+    key = re.sub(r"[-_]", " ", device_name.upper())
+    for pattern, _, _, gib in PEAK_TFLOPS:
+        if re.search(pattern, key):
+            return float(gib)
     return None
 
 

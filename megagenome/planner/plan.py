@@ -21,7 +21,7 @@ from megagenome.config.checks import seq_warmup_problems
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import family_of
-from megagenome.observe.metrics import peak_tflops
+from megagenome.observe.metrics import gpu_memory_gib, peak_tflops
 from megagenome.parallel.layout import LayoutError, ParallelLayout
 from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
 from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
@@ -63,8 +63,11 @@ def _problems(cfg: RootConfig, cluster: Cluster, global_batch: int | None) -> tu
     for flag in ("gpus", "gpus_per_node"):
         if getattr(cluster, flag) < 1:
             problems.append(f"--{flag}={getattr(cluster, flag)}: must be positive")
+    if cluster.gpu_memory_gb is None:
+        problems.append(f"--gpu={cluster.gpu!r}: its memory is not in the table of megagenome/observe/metrics.py; "
+                        "give --gpu_memory_gb")  # fmt: skip
     for flag in ("gpu_memory_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "cpu_adam_gparams_per_s"):
-        if not getattr(cluster, flag) > 0:
+        if getattr(cluster, flag) is not None and not getattr(cluster, flag) > 0:
             problems.append(f"--{flag}={getattr(cluster, flag)}: must be positive")
     if not 0 < cluster.mfu <= 1:
         problems.append(f"--mfu={cluster.mfu}: must be within (0, 1]")
@@ -159,6 +162,8 @@ def _precision_fragment(prec: Precision, stage: int) -> str | None:
 
 def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, grad_accum_dtype=None) -> dict:
     """Everything `megagenome plan` prints, as one JSON-ready dict. Raises PlanError naming the flags."""
+    if cluster.gpu_memory_gb is None:  # the GPU's own, by its name
+        cluster = dataclasses.replace(cluster, gpu_memory_gb=gpu_memory_gib(cluster.gpu))
     layout, problems = _problems(cfg, cluster, global_batch)
     files = ds_config_files(cfg.train)
     ds, _, merge_problems = merge_fragments(files)

@@ -46,8 +46,9 @@ class Cluster:
     """Total GPUs of the run."""
     gpus_per_node: int = 8
     """GPUs per node; a data-parallel group larger than a node communicates over the inter-node network."""
-    gpu_memory_gb: float = 80.0
-    """Memory per GPU in GiB."""
+    gpu_memory_gb: float | None = None
+    """Memory per GPU in GiB (default: --gpu's, from the table of observe/metrics.py: H100 80, H200 141, L40S 48,
+    V100 32, ...; a size in the name wins, "A100 40GB")."""
     gpu: str = "H100"
     """GPU name, looked up in the bf16 dense peak table of observe/metrics.py (A100, H100, H200, V100, ...)."""
     peak_tflops: float | None = None
