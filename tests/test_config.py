@@ -30,6 +30,8 @@ def test_every_problem_is_reported_at_once():
     assert "--data.seq_len=4096 is above the model's maximum --model.max_seq_len=1024" in text
     assert "--train.max_steps=0: must be positive" in text
     assert "--train.warmup_steps=100: must be within [0, --train.max_steps=0]" in text
+    cfg.train.max_steps = 40  # a user shortening a 600-step job: told of --train.stop_at
+    assert any("give --train.stop_at 40" in p for p in validate(cfg))
 
 
 def test_missing_split_and_fasta_are_named():

@@ -125,14 +125,14 @@ def test_the_summary_is_nine_lines_and_names_the_invocation_it_timed(capsys):
     out = capsys.readouterr().out
     assert len(out.splitlines()) == 9 and out.startswith("\n== megagenome pretrain summary: /r ==")
     assert "order-0..8: 2.0000 1.9900" in out
-    assert "1.9000 (model): 0.0200 below the best Markov baseline, order-8 at 1.9200 (margin -0.0200)\n" in out
+    assert "1.9000 (model): 0.0200 below the best Markov baseline, order-8 at 1.9200\n" in out  # one number, one sign
     assert "wall time          352.8 s\n" in out
     summary.print_summary(_summary(heldout_bits_per_base=1.95, beats_best_markov=False))
     out = capsys.readouterr().out
-    assert (
-        "1.9500 (model): 0.0300 above, not yet below the best Markov baseline, order-8 at 1.9200 (margin +0.0300)"
-        in out
-    )
+    assert "1.9500 (model): 0.0300 above, not yet below the best Markov baseline, order-8 at 1.9200\n" in out
+    summary.print_summary(_summary(heldout_bits_per_base=None, beats_best_markov=False, steps=30, max_steps=600))
+    out = capsys.readouterr().out  # a run stopped by --train.stop_at 30 before its first evaluation
+    assert "held-out bits/base not evaluated: stopped at step 30 of 600; rerun the same command to continue" in out
     summary.print_summary(_summary(first_step=400, wall_s=120.0))
     assert "120.0 s (this invocation: steps 401-600, resumed at step 400)" in capsys.readouterr().out
     summary.print_summary(_summary(first_step=600, wall_s=3.6))

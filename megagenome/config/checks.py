@@ -304,7 +304,11 @@ def _train_problems(t: TrainConfig) -> list[str]:
     if t.min_lr < 0 or t.min_lr > t.lr:
         problems.append(f"--train.min_lr={t.min_lr}: must be within [0, --train.lr={t.lr}]")
     if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
-        problems.append(f"--train.warmup_steps={t.warmup_steps}: must be within [0, --train.max_steps={t.max_steps}]")
+        problems.append(
+            f"--train.warmup_steps={t.warmup_steps}: must be within [0, --train.max_steps={t.max_steps}] (to run only "
+            f"the first {t.max_steps} steps of a longer schedule, keep its max_steps and give --train.stop_at "
+            f"{t.max_steps})"
+        )
     problems += _schedule_problems(t)
     if t.optimizer != "muon":  # Muon's flags would silently do nothing with another optimizer
         ignored = [f for f in ("muon_lr", "muon_momentum") if getattr(t, f) != getattr(TrainConfig(), f)]
@@ -359,7 +363,8 @@ def _schedule_problems(t: TrainConfig) -> list[str]:
         return [
             f"--train.warmup_steps={t.warmup_steps} plus the wsd decay's {decay} steps (--train.decay_fraction="
             f"{t.decay_fraction:g} of --train.max_steps={t.max_steps}) exceed max_steps: shorten the warmup or "
-            "the decay"
+            f"the decay, or, to try the first steps of the run as configured, keep max_steps and give "
+            f"--train.stop_at {t.max_steps} (it stops there, same schedule)"
         ]
     return []
 

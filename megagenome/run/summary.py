@@ -56,6 +56,7 @@ def summarise(
         "run_dir": os.path.abspath(cfg.log.run_dir),
         "parameters": n_params,
         "steps": train_rows[-1]["step"] if train_rows else 0,
+        "max_steps": cfg.train.max_steps,
         "train_loss": train_rows[-1]["loss"] if train_rows else None,
         "heldout_bits_per_base": final_eval.get("bits_per_base"),
         "markov_bits_per_base": {str(k): v for k, v in baselines.items()},
@@ -179,15 +180,20 @@ def print_summary(s: dict) -> None:
 def _heldout(s: dict) -> list[str]:
     """The held-out line (the model against the best Markov baseline) and the line of every baseline."""
     model, markov, best = s["heldout_bits_per_base"], s["markov_bits_per_base"], str(s["best_markov_order"])
-    shown, verdict, margin = "not evaluated yet", "not yet below", ""
-    if model is not None:  # the margin with its sign, as report.md gives it: negative below the baseline
-        gap = model - markov[best]
-        side = "below" if s["beats_best_markov"] else "above, not yet below"
-        shown, verdict, margin = f"{model:.4f} (model)", f"{abs(gap):.4f} {side}", f" (margin {gap:+.4f})"
     strands = {"both": " (fitted on both strands)", "forward": ""}
     orders = f"order-{min(markov, key=int)}..{max(markov, key=int)}" if len(markov) > 1 else f"order-{best}"
+    baseline = f"the best Markov baseline, order-{best} at {markov[best]:.4f}"
+    if model is not None:
+        gap = model - markov[best]
+        side = "below" if s["beats_best_markov"] else "above, not yet below"
+        heldout = f"{model:.4f} (model): {abs(gap):.4f} {side} {baseline}"
+    elif s.get("max_steps") and s["steps"] < s["max_steps"]:
+        heldout = (f"not evaluated: stopped at step {s['steps']} of {s['max_steps']}; rerun the same command to "
+                   f"continue ({baseline})")  # fmt: skip
+    else:
+        heldout = f"not evaluated (no evaluation ran: --train.eval_interval); {baseline}"
     return [
-        f"held-out bits/base {shown}: {verdict} the best Markov baseline, order-{best} at {markov[best]:.4f}{margin}",
+        f"held-out bits/base {heldout}",
         f"Markov baselines   {orders}: {' '.join(f'{v:.4f}' for v in markov.values())}"
         f"{strands.get(s.get('markov_strands'), '')}",
     ]
