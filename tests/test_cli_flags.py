@@ -53,6 +53,11 @@ def test_every_command_refuses_abbreviations_and_typos(capsys):
     assert "did you mean --nodelist?" in errors(capsys, ["hostfile", "--nodelsit", "n[1-2]"])[0]
 
 
+def test_a_missing_required_flag_is_named_as_typed(capsys):
+    assert errors(capsys, ["eval", "runs/x"])[0] == "megagenome eval: error: missing --fasta (required)"
+    assert errors(capsys, ["eval"])[0] == "megagenome eval: error: missing RUN, --fasta (required)"
+
+
 def test_a_yaml_file_given_as_a_word_is_named_with_the_fix(capsys):
     (line, hint) = errors(capsys, ["pretrain", "configs/tiny.yaml"])
     assert "'configs/tiny.yaml' is not a flag's value" in line and "did you mean --config configs/tiny.yaml?" in line

@@ -127,6 +127,7 @@ def test_the_summary_is_nine_lines_and_names_the_invocation_it_timed(capsys):
     assert "order-0..8: 2.0000 1.9900" in out
     assert "1.9000 (model): 0.0200 below the best Markov baseline, order-8 at 1.9200\n" in out  # one number, one sign
     assert "wall time          352.8 s\n" in out
+    assert "MFU                5.00%" in out and "an estimate: the peak is a matmul timed" in out  # a measured CPU peak
     summary.print_summary(_summary(heldout_bits_per_base=1.95, beats_best_markov=False))
     out = capsys.readouterr().out
     assert "1.9500 (model): 0.0300 above, not yet below the best Markov baseline, order-8 at 1.9200\n" in out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -19,7 +20,14 @@ from argparse import ArgumentError
 
 from jsonargparse import ArgumentParser
 
-from megagenome.config.load import argument_problems, did_you_mean, problem_report, strict, value_problems
+from megagenome.config.load import (
+    argument_problems,
+    did_you_mean,
+    known_flags,
+    problem_report,
+    strict,
+    value_problems,
+)
 from megagenome.files.outputs import describe_os_error
 
 from .args import Parsed
@@ -85,7 +93,19 @@ def parse(parser: ArgumentParser, argv: list[str]) -> tuple[list[str], object]:
         return [], parser.parse_args(argv)
     except ArgumentError as e:
         problems = value_problems(command, argv[1:]) if command is not None else []
-        return problems or [" ".join(str(e).split())], None
+        return problems or [_required(command, " ".join(str(e).split()))], None
+
+
+def _required(command: ArgumentParser | None, message: str) -> str:
+    """jsonargparse's "the following arguments are required: eval.fasta" as the flags a user types: "missing
+    --fasta (required)"; a positional one by its name in capitals."""
+    found = re.search(r"the following arguments are required: (.+)$", message)
+    if command is None or found is None:
+        return message
+    flags = known_flags(command)
+    names = [name.strip().split(".", 1)[-1] for name in found.group(1).split(",")]
+    shown = [f"--{n}" if f"--{n}" in flags else n.upper() for n in names]
+    return f"missing {', '.join(shown)} (required)"
 
 
 def report_problems(argv: list[str], problems: list[str]) -> None:
