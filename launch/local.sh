@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Launch `megagenome pretrain` on this machine through the real `deepspeed` launcher.
 #   bash launch/local.sh --config configs/tiny.yaml [--section.field value ...]
-# Uses every visible GPU; on a machine without one, NPROC CPU ranks (default 2) on the gloo backend.
+# Uses every visible GPU; on a machine without one, NPROC CPU ranks (default 2) on the gloo backend. Runs from any
+# directory: a file named relative to where you stand (--config my.yaml) is found there; the shipped configs' own
+# paths are the checkout's. Needs the checkout's virtual environment on PATH (README command 1; refused otherwise).
 # Environment: NPROC (CPU ranks), MASTER_PORT (default 29500 + a hash of the run's arguments).
 #
 # DeepSpeed's launcher runs under `python -m megagenome.run.supervise` (this script's pid becomes the supervisor's):
@@ -15,8 +17,25 @@
 # (megagenome/observe/console.py).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# A path the user gave relative to where they stand (--config my.yaml, --data.fasta=../g.fa) is made absolute before
+# this script moves to the checkout, whose relative paths (ds_configs/, examples/) the shipped configs use.
+args=()
+for arg in "$@"; do
+  value=${arg#--*=}
+  if [ "$value" = "$arg" ] && [[ "$arg" != /* ]] && [ -e "$arg" ] && [ "$PWD" != "$here" ]; then
+    arg="$PWD/$arg"
+  elif [ "$value" != "$arg" ] && [[ "$value" != /* ]] && [ -e "$value" ] && [ "$PWD" != "$here" ]; then
+    arg="${arg%%=*}=$PWD/$value"
+  fi
+  args+=("$arg")
+done
+set -- ${args[@]+"${args[@]}"}
 cd "$here"
-ngpu=$(python -c 'import torch; print(torch.cuda.device_count())')
+if ! command -v python >/dev/null 2>&1 || ! ngpu=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null); then
+  echo "launch/local.sh: error: no python with torch on PATH: activate the checkout's virtual environment first" \
+    "(README command 1 makes it): source $here/.venv/bin/activate" >&2
+  exit 2
+fi
 if [ "$ngpu" -gt 0 ]; then
   nproc=$ngpu
 else

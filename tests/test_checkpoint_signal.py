@@ -178,12 +178,12 @@ def train_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "split" not in r}
 
 
-def start(cmd: list[str], tmp) -> subprocess.Popen:
+def start(cmd: list[str], tmp, cwd=REPO) -> subprocess.Popen:
     """cmd in the background, as a user starts it (its output in tmp/out.txt, tmp/err.txt)."""
     out, err = open(tmp / "out.txt", "w"), open(tmp / "err.txt", "w")
     e = dict(env(), MASTER_PORT=str(free_port()))
     with out, err:
-        return subprocess.Popen(cmd, cwd=REPO, env=e, stdout=out, stderr=err)
+        return subprocess.Popen(cmd, cwd=cwd, env=e, stdout=out, stderr=err)
 
 
 def local_sh(cfg: str, *extra: str) -> list[str]:
@@ -245,10 +245,11 @@ def resume_equals(reference: dict, cfg: str, tmp, step: int) -> None:
         assert found[s] == pytest.approx(reference[s], abs=1e-6, rel=0), s
 
 
-def signal_local_sh(cfg, tmp_path, signum) -> tuple[int, str]:
+def signal_local_sh(cfg, tmp_path, signum, elsewhere: bool = False) -> tuple[int, str]:
     """`bash launch/local.sh` started, `signum` sent to its pid (the supervisor) once step 2 is logged; (its exit
-    code, its stderr)."""
-    proc = start(local_sh(cfg), tmp_path)
+    code, its stderr). elsewhere: started from the config's directory, the config named relative to it."""
+    cwd, cfg = (tmp_path, os.path.relpath(cfg, tmp_path)) if elsewhere else (REPO, cfg)
+    proc = start(local_sh(cfg), tmp_path, cwd)
     try:
         wait_until(proc, past_step(tmp_path / "run", 2), "step 2")
         proc.send_signal(signum)
@@ -276,7 +277,7 @@ def test_sigterm_to_local_sh_stops_every_rank_with_a_checkpoint_and_leaves_nothi
     """The issue's `bash launch/local.sh ... & kill -TERM $!`: formerly only DeepSpeed's runner died (143) and the
     ranks trained on to the end as orphans. Now every rank stops after the same step, saves it, exits 143."""
     cfg = run_config(tmp_path)
-    rc, err = signal_local_sh(cfg, tmp_path, signal.SIGTERM)
+    rc, err = signal_local_sh(cfg, tmp_path, signal.SIGTERM, elsewhere=True)  # --config relative to where one stands
     assert rc == SIGTERM_EXIT or "terminate called" in err, (rc, err[-4000:])
     assert "megagenome.run.supervise: SIGTERM: sent SIGTERM to 2 rank(s)" in err
     stopped_step(tmp_path, err, r"stopped: SIGTERM received: checkpoint of step (\d+) .*; exiting with 143")
