@@ -121,3 +121,22 @@ def test_resume_equals_uninterrupted(uninterrupted, phix, tmp_path):
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
         assert resumed[step] == pytest.approx(reference[step], abs=1e-6, rel=0), step
+
+
+def test_local_sh_without_the_venv_says_what_to_do(tmp_path):
+    """A new shell without the virtual environment: one line naming the activate script, not a ModuleNotFoundError
+    from deep inside the launch. The system's python stands in as a script that has no torch, as a distribution's
+    python3 has none (a stand-in: the CI machine's own python may differ)."""
+    import subprocess
+
+    from support.helpers import REPO
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    (bare / "python").chmod(0o755)
+    env = {"PATH": f"{bare}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "--config", "configs/tiny.yaml"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "activate the checkout's virtual environment first" in proc.stderr and ".venv/bin/activate" in proc.stderr
