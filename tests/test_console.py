@@ -127,7 +127,7 @@ def test_the_summary_is_nine_lines_and_names_the_invocation_it_timed(capsys):
     assert "order-0..8: 2.0000 1.9900" in out
     assert "1.9000 (model): 0.0200 below the best Markov baseline, order-8 at 1.9200\n" in out  # one number, one sign
     assert "wall time          352.8 s\n" in out
-    assert "MFU                5.00%" in out and "an estimate: the peak is a matmul timed" in out  # a measured CPU peak
+    assert "MFU                5.00%" in out and "an estimate (a peak timed at start-up" in out  # a measured CPU peak
     summary.print_summary(_summary(heldout_bits_per_base=1.95, beats_best_markov=False))
     out = capsys.readouterr().out
     assert "1.9500 (model): 0.0300 above, not yet below the best Markov baseline, order-8 at 1.9200\n" in out
@@ -216,3 +216,17 @@ def test_a_rerun_of_the_finished_run_reports_it_as_it_was(launched):
     assert summary_block(again.stdout) == summary_block(first.stdout)  # the finished run's numbers, all of them
     assert "resumed from" not in again.stdout  # no engine built, no checkpoint loaded
     assert len(console_lines(again)) <= 12, "\n".join(console_lines(again))
+
+
+def test_python_m_pretrain_prints_only_megagenomes_lines(tmp_path):
+    """`python -m megagenome pretrain` outside launch/local.sh: no DeepSpeed "Setting accelerator to CPU ... unable to
+    detect it" (cli sets DS_ACCELERATOR=cpu where DeepSpeed would fall back to it) and no scheduler warning."""
+    from support.helpers import DATA, cli, tiny_config, write_yaml
+
+    cfg = tiny_config(tmp_path, str(DATA / "phiX174_NC_001422.1.fna"), tmp_path / "run", train__max_steps=2,
+                      train__eval_interval=0, checkpoint__interval=0)  # fmt: skip
+    proc = cli("pretrain", "--config", write_yaml(tmp_path / "c.yaml", cfg), timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "== megagenome pretrain summary" in out
+    assert "Setting accelerator to CPU" not in out and "before it has started" not in out, out[-3000:]

@@ -175,6 +175,8 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
     temporaries removed), and an OSError that escapes it (a full disk, a permission, a path) is one message naming the
     path, exit 2; `--debug` shows the traceback instead."""
     main = command_module(name).main
+    if name in OWN_SIGNALS:
+        _cpu_accelerator_when_no_other()
     if name in OWN_SIGNALS or debug:
         return main(parsed)
     prog = f"{PROG} {name}"
@@ -195,6 +197,24 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
+
+
+def _cpu_accelerator_when_no_other() -> None:
+    """DS_ACCELERATOR=cpu where DeepSpeed would fall back to the CPU anyway (no CUDA, XPU or MPS device, no NPU/HPU
+    stack installed), so that `python -m megagenome pretrain` and `finetune` do not print its "Setting accelerator
+    to CPU ... unable to detect it" warning in every process (launch/local.sh sets the same). A value already set
+    wins."""
+    import importlib.util
+
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    others = ("intel_extension_for_pytorch", "torch_npu", "habana_frameworks", "torch_mlu", "torch_sdaa")
+    xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+    mps = torch.backends.mps.is_available()
+    if not (torch.cuda.is_available() or xpu or mps or any(importlib.util.find_spec(m) for m in others)):
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def flag_of(argv: list[str], path) -> str | None:

@@ -44,7 +44,7 @@ from megagenome.model import family_of
 from megagenome.model import lora as lora_adapters
 from megagenome.model.heads import TaskModel, param_groups
 from megagenome.model.stack import layers_problem
-from megagenome.observe import dashboards
+from megagenome.observe import console, dashboards
 from megagenome.observe.metrics import MetricsWriter
 from megagenome.observe.record import env_record, write_json, write_yaml
 from megagenome.observe.task_metrics import HIGHER_IS_BETTER
@@ -128,9 +128,11 @@ def run(cfg: FinetuneConfig, config_files: list[str], keep_process_group: bool =
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world)))
     rank, _, world = ds.init_distributed()
+    logs = console.RankLogs(cfg.log.run_dir, rank, ds.deepspeed_logger())  # as pretrain: DeepSpeed's INFO to the log
     try:
         return _run(prepared, rank, world)
     finally:
+        logs.close()
         if not keep_process_group:
             ds.shutdown()
 

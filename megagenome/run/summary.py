@@ -165,7 +165,7 @@ def print_summary(s: dict) -> None:
         if full is not None and full != s["mfu_median"]:
             mfu += f"; causal attention counted at half (Megatron-LM), {100 * full:.2f}% counting every score (PaLM)"
         if str(s.get("peak_source") or "").startswith("measured"):  # no datasheet peak (a CPU): a rough figure
-            mfu += "; an estimate: the peak is a matmul timed for a second at start-up, which varies between runs"
+            mfu += "; an estimate (a peak timed at start-up: it varies between runs)"
         lines.append(f"MFU                {mfu}")
     if s.get("mem_peak_bytes_max"):
         lines.append(f"peak memory        {s['mem_peak_bytes_max'] / 2**30:.2f} GiB (largest rank)")
