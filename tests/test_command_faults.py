@@ -203,3 +203,22 @@ def test_prepare_refuses_a_validation_range_that_is_all_n(tmp_path):
     proc = cli_here("prepare", "--manifest", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "source g: its val regions (c:1700-3500) hold no base" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cpu_run_too_large_for_the_machine_is_refused_before_it_starts(monkeypatch):
+    """The issue's `deepspeed --num_gpus 8 ... --config configs/dna_125m.yaml` on a 24 GiB CPU machine: each rank's
+    validation (run/assembly.py, before the model is built) refuses with the planner's figures; the default job fits."""
+    from megagenome.config import ConfigError
+    from megagenome.config.load import config_from_args
+    from megagenome.run import assembly, host_memory
+
+    big = config_from_args(["--config", "configs/dna_125m.yaml"])
+    (line,) = host_memory.problems(big, 8, 8, available=20.5)
+    assert "GiB per rank" in line and "x 8 rank(s) on this machine" in line and "20.5 GiB is available" in line
+    assert host_memory.problems(config_from_args(["--config", "configs/tiny.yaml"]), 2, 2, available=20.5) == []
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(host_memory, "available_gib", lambda: 20.5)  # this machine's figure, whatever CI's is
+    with pytest.raises(ConfigError, match="x 8 rank"):
+        assembly.validate(big, [], 8, data=False)
+    monkeypatch.setenv(host_memory.SKIP, "1")
+    assert host_memory.problems(big, 8, 8, available=20.5) == []
