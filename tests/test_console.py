@@ -230,3 +230,21 @@ def test_python_m_pretrain_prints_only_megagenomes_lines(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "== megagenome pretrain summary" in out
     assert "Setting accelerator to CPU" not in out and "before it has started" not in out, out[-3000:]
+
+
+def test_commands_keep_torchaos_import_noise_off_the_console():
+    """peft and transformers import torchao, which logs every CUDA-only kernel library it cannot load ("Failed to load
+    ..._C_mxfp8...so") and makes torch log a deprecation per enum: a command (cli.run_command) keeps both off the
+    console. The command here is a stand-in whose main imports peft, as finetune --model.lora does."""
+    from support.helpers import PYTHON, REPO
+
+    code = (
+        "import sys\nfrom megagenome import cli\n"
+        "class M:\n    @staticmethod\n    def main(parsed):\n        import peft  # noqa\n        return 0\n"
+        "cli.command_module = lambda name: M\nsys.exit(cli.run_command('embed', cli.Parsed(None, None, [])))\n"
+    )
+    proc = subprocess.run([PYTHON, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Failed to load" not in proc.stderr and "register_constant" not in proc.stderr, proc.stderr
+    bare = subprocess.run([PYTHON, "-c", "import peft"], cwd=REPO, env=env(), capture_output=True, text=True)
+    assert "Failed to load" in bare.stderr or "register_constant" in bare.stderr  # what is kept off, without it

@@ -11,6 +11,7 @@ line, are errors; a mistyped command or flag gets a "did you mean".
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 import signal
@@ -175,6 +176,9 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
     temporaries removed), and an OSError that escapes it (a full disk, a permission, a path) is one message naming the
     path, exit 2; `--debug` shows the traceback instead."""
     main = command_module(name).main
+    if not debug:  # torchao logs every CUDA-only kernel library it cannot load, torch each enum torchao registers
+        for logger in ("torchao", "torch.utils._pytree"):
+            logging.getLogger(logger).setLevel(logging.ERROR)
     if name in OWN_SIGNALS:
         _cpu_accelerator_when_no_other()
     if name in OWN_SIGNALS or debug:
