@@ -160,10 +160,17 @@ def _precision_fragment(prec: Precision, stage: int) -> str | None:
     return '{"bf16": {"enabled": true}} (a JSON fragment of your own; ZeRO-0 accumulates in bf16 only)'
 
 
+def _with_gpu_memory(cluster: Cluster) -> Cluster:
+    """--gpu_memory_gb, or when not given the GPU's own by its name (observe/metrics.py gpu_memory_gib; None when
+    unknown, which _problems reports)."""
+    if cluster.gpu_memory_gb is not None:
+        return cluster
+    return dataclasses.replace(cluster, gpu_memory_gb=gpu_memory_gib(cluster.gpu))
+
+
 def build(cfg: RootConfig, cluster: Cluster, global_batch=None, precision=None, grad_accum_dtype=None) -> dict:
     """Everything `megagenome plan` prints, as one JSON-ready dict. Raises PlanError naming the flags."""
-    if cluster.gpu_memory_gb is None:  # the GPU's own, by its name
-        cluster = dataclasses.replace(cluster, gpu_memory_gb=gpu_memory_gib(cluster.gpu))
+    cluster = _with_gpu_memory(cluster)
     layout, problems = _problems(cfg, cluster, global_batch)
     files = ds_config_files(cfg.train)
     ds, _, merge_problems = merge_fragments(files)
