@@ -164,7 +164,7 @@ def generate_batch(model, ids: torch.Tensor, length: int, opts: Options, generat
         nonlocal state
         if not cached:
             return model.table_logits(seq[:, start:end])[:, -1]
-        state = model.decode_state(B, window)
+        state = model.decode_state(B, min(window, P + length - start))  # what this window can still hold
         return model.decode(seq[:, start:end], state)[:, -1]
 
     table = read(P)
