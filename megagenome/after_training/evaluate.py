@@ -37,7 +37,7 @@ from megagenome.after_training.inference import (
 )
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import N_ID, reverse_complement
-from megagenome.files.outputs import OutputError, check_outputs, write_text
+from megagenome.files.outputs import OutputError, check_outputs, describe_os_error, write_text
 from megagenome.train.consolidate import CheckpointError
 
 PROG = "megagenome eval"
@@ -240,7 +240,7 @@ def main(ns) -> int:
             raise EvalError(f"--batch_size={ns.batch_size}: must be positive")
         result = evaluate(loaded, ns.fasta, ns.regions, window, ns.batch_size, ns.reverse_complement, ns.progress)
     except (EvalError, CheckpointError, FastaError, OutputError, OSError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {describe_os_error(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 2
     if result is None:
         return 0

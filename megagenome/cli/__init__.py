@@ -29,9 +29,8 @@ from megagenome.config.load import (
     strict,
     value_problems,
 )
-from megagenome.files.outputs import describe_os_error
 
-from .args import Parsed
+from .args import Parsed, os_error_line
 
 # Command -> its module in this package, in the order `megagenome --help` lists them.
 COMMANDS = {
@@ -194,9 +193,7 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
         print(f"{prog}: interrupted ({signal.Signals(signum).name}); stopped with nothing written", file=sys.stderr)
         return SIGNAL_EXIT.get(signum, 128 + signum)
     except OSError as e:
-        flag = flag_of(parsed.argv, e.filename)
-        print(f"{prog}: error: {flag + ' ' if flag else ''}{describe_os_error(e)} (--debug shows where)",
-              file=sys.stderr)  # fmt: skip
+        print(f"{prog}: error: {os_error_line(parsed.argv, e)} (--debug shows where)", file=sys.stderr)
         return 2
     finally:
         if threading.current_thread() is threading.main_thread():
@@ -219,21 +216,6 @@ def _cpu_accelerator_when_no_other() -> None:
     mps = torch.backends.mps.is_available()
     if not (torch.cuda.is_available() or xpu or mps or any(importlib.util.find_spec(m) for m in others)):
         os.environ["DS_ACCELERATOR"] = "cpu"
-
-
-def flag_of(argv: list[str], path) -> str | None:
-    """The flag whose value on the command line is `path` (or names the same file), for an error about that path."""
-    if path is None:
-        return None
-    want = os.path.abspath(os.fspath(path))
-    for flag, value in zip(argv, argv[1:]):
-        if flag.startswith("--") and not value.startswith("--") and os.path.abspath(value) == want:
-            return flag
-    for arg in argv:  # --flag=value
-        flag, eq, value = arg.partition("=")
-        if eq and flag.startswith("--") and os.path.abspath(value) == want:
-            return flag
-    return None
 
 
 if __name__ == "__main__":

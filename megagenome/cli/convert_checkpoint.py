@@ -9,7 +9,7 @@ import sys
 
 from jsonargparse import ArgumentParser
 
-from .args import Parsed
+from .args import Parsed, os_error_line
 
 HELP = "Convert a checkpoint to resume it under another layout."
 
@@ -50,8 +50,11 @@ def main(parsed: Parsed) -> int:
         return 2
     try:
         out = checkpoint.convert_to_universal(ns.checkpoint, ns.output, workers=ns.workers)
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError) as e:
         print(f"megagenome convert-checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a permission: named with its flag and path
+        print(f"megagenome convert-checkpoint: error: {os_error_line(parsed.argv, e)}", file=sys.stderr)
         return 2
     print(f"megagenome: universal checkpoint written to {out}")
     print(f"resume with: --checkpoint.resume {os.path.dirname(out)} --checkpoint.universal true")

@@ -10,7 +10,7 @@ from jsonargparse import ArgumentParser
 
 from megagenome.config.load import load_manifest
 
-from .args import Parsed
+from .args import Parsed, os_error_line
 
 HELP = "Genomes of a manifest -> memory-mapped token shards."
 
@@ -45,8 +45,11 @@ def main(parsed: Parsed) -> int:
     try:
         manifest = prepare.resolve(load_manifest(ns.manifest), os.path.dirname(os.path.abspath(ns.manifest)))
         index = prepare.run(manifest, ns.manifest, ns.out, workers=ns.workers, progress=ns.progress)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a permission: named with its flag and path
+        print(f"{prog}: error: {os_error_line(parsed.argv, e)}", file=sys.stderr)
         return 2
     bases = sum(c["length"] for u in index["units"] for c in u["contigs"])
     print(f"megagenome: {len(index['units'])} unit(s), {bases:,} bases prepared in {ns.out}")
