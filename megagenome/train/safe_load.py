@@ -8,10 +8,10 @@ COMPLETE marker's SHA-256 digests sit beside the files, so they prove nothing ag
   unpickler, which builds tensors, containers, numbers and strings and, besides those, only the globals in ALLOWED).
 - DeepSpeed's own loaders unpickle with `weights_only=False`: resume (`engine.load_checkpoint`), ZeRO-3
   consolidation (`zero_to_fp32`) and convert-checkpoint (`ds_to_universal`). Before a checkpoint directory is
-  handed to them, `vet` lists the globals of every `.pt` file in it without running anything
-  (`torch.serialization.get_unsafe_globals_in_checkpoint` reads the pickle's opcodes) and refuses a file that
-  names one outside ALLOWED. What passes the vetting could have been loaded with `weights_only=True`, so
-  DeepSpeed's unpickling of it runs nothing either.
+  handed to them, `vet` loads every `.pt` file in it with the restricted unpickler, memory-mapped (the tensors are
+  not read), and refuses a file it will not load, naming the globals it holds outside ALLOWED
+  (`torch.serialization.get_unsafe_globals_in_checkpoint` lists them without running anything). What passes the
+  vetting loads with `weights_only=True`, so DeepSpeed's unpickling of it runs nothing either.
 
 ALLOWED is what DeepSpeed's checkpoints of every layout megagenome writes hold beyond plain data (tests/
 test_safe_load.py vets them all): bf16 optimizer partitions name `fragment_address` (a namedtuple), ZeRO partitions
@@ -94,12 +94,11 @@ def load(path: str, mmap: bool = False):
 
 
 def vet(tag_dir: str) -> None:
-    """Refuse the checkpoint directory `tag_dir` if any .pt file under it names a global outside ALLOWED (before
-    DeepSpeed, which unpickles them fully, reads it)."""
+    """Refuse the checkpoint directory `tag_dir` unless every .pt file under it loads with the restricted unpickler
+    (before DeepSpeed, which unpickles them fully, reads it). Each file is loaded memory-mapped, so its tensors are
+    not read: what is checked is the pickle, every opcode of it (a GLOBAL outside ALLOWED, or any opcode the
+    restricted unpickler does not know, is refused), not only the globals a scan lists."""
     for folder, _, names in sorted(os.walk(tag_dir)):
         for name in sorted(names):
             if name.endswith(".pt"):
-                path = os.path.join(folder, name)
-                found = unsafe_globals(path)
-                if found:
-                    raise _refusal(path, found)
+                load(os.path.join(folder, name), mmap=True)
