@@ -183,9 +183,11 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
     if name in OWN_SIGNALS or debug:
         return main(parsed)
     prog = f"{PROG} {name}"
-    previous = signal.getsignal(signal.SIGTERM)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.getsignal(signum) for signum in SIGNAL_EXIT}
+    if main_thread:  # SIGINT too: a shell starts a background job with SIGINT ignored, and Python keeps that
+        for signum in SIGNAL_EXIT:
+            signal.signal(signum, _interrupt)
     try:
         return main(parsed)
     except (KeyboardInterrupt, Interrupted) as e:
@@ -196,8 +198,10 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
         print(f"{prog}: error: {os_error_line(parsed.argv, e)} (--debug shows where)", file=sys.stderr)
         return 2
     finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            for signum, handler in previous.items():
+                if handler is not None:  # None: a handler not installed from Python, left as it is
+                    signal.signal(signum, handler)
 
 
 def _cpu_accelerator_when_no_other() -> None:
