@@ -79,7 +79,9 @@ def main(ns) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a permission: the staged directory is gone, nothing written
-        print(f"{PROG}: error: --output {ns.output}: {describe_os_error(e)}", file=sys.stderr)
+        beside = os.path.dirname(os.path.abspath(ns.output))  # the staged directory is written there
+        flag = "--output " if e.filename and os.path.abspath(str(e.filename)).startswith(beside + os.sep) else ""
+        print(f"{PROG}: error: {flag}{describe_os_error(e)}", file=sys.stderr)
         return 2
     except ImportError as e:
         print(f"{PROG}: error: {e} (--quantize int8 needs torchao: pip install torchao)", file=sys.stderr)
@@ -170,7 +172,6 @@ def staged_directory(output: str):
     """The path of a temporary directory beside `output`, renamed to `output` when the block ends without error: an
     existing `output` is refused (before and after), and one that cannot be written (files/outputs.py check_outputs);
     a failure or interruption leaves nothing behind."""
-    check_output(output)
     check_output(output)
     tmp = temporary_beside(os.path.abspath(output), directory=True)  # a killed export's stale one is swept here
     try:
