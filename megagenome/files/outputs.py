@@ -62,6 +62,15 @@ def check_outputs(outputs: Sequence[tuple[str, str | None]], overwrite: bool = F
 
 
 def umask() -> int:
+    """This process's umask: read from /proc where Linux says it (setting it to read it back would briefly leave
+    other threads creating files with none), else by setting and restoring it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
