@@ -207,18 +207,18 @@ def test_prepare_refuses_a_validation_range_that_is_all_n(tmp_path):
 
 def test_a_cpu_run_too_large_for_the_machine_is_refused_before_it_starts(monkeypatch):
     """The issue's `deepspeed --num_gpus 8 ... --config configs/dna_125m.yaml` on a 24 GiB CPU machine: each rank's
-    validation (run/assembly.py, before the model is built) refuses with the planner's figures; the default job fits."""
+    start (run/pretrain.py, before the model is built) refuses with the planner's figures; the default job fits."""
     from megagenome.config import ConfigError
     from megagenome.config.load import config_from_args
-    from megagenome.run import assembly, host_memory
+    from megagenome.run import host_memory
 
     big = config_from_args(["--config", "configs/dna_125m.yaml"])
     (line,) = host_memory.problems(big, 8, 8, available=20.5)
     assert "GiB per rank" in line and "x 8 rank(s) on this machine" in line and "20.5 GiB is available" in line
     assert host_memory.problems(config_from_args(["--config", "configs/tiny.yaml"]), 2, 2, available=20.5) == []
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_SIZE", "8")  # as the deepspeed launcher sets it for 8 ranks on this node
     monkeypatch.setattr(host_memory, "available_gib", lambda: 20.5)  # this machine's figure, whatever CI's is
     with pytest.raises(ConfigError, match="x 8 rank"):
-        assembly.validate(big, [], 8, data=False)
+        host_memory.refuse_if_too_large(big, 8)  # what run/pretrain.py calls right after validating
     monkeypatch.setenv(host_memory.SKIP, "1")
     assert host_memory.problems(big, 8, 8, available=20.5) == []

@@ -94,7 +94,7 @@ def test_summary_of_a_run_stopped_before_any_evaluation(capsys):
             "wall_s": 1.0,
         }
     )
-    assert "not evaluated yet" in capsys.readouterr().out
+    assert "held-out bits/base not evaluated" in capsys.readouterr().out
 
 
 def test_accounting_columns(tmp_path):

@@ -160,7 +160,8 @@ def test_schedule_problems_are_named():
     cfg.train.schedule, cfg.train.max_steps, cfg.train.warmup_steps = "wsd", 100, 90
     assert validate(cfg) == [
         "--train.warmup_steps=90 plus the wsd decay's 20 steps (--train.decay_fraction=0.2 of --train.max_steps="
-        "100) exceed max_steps: shorten the warmup or the decay"
+        "100) exceed max_steps: shorten the warmup or the decay, or, to try the first steps of the run as configured, "
+        "keep max_steps and give --train.stop_at 100 (it stops there, same schedule)"
     ]
     cfg.train.warmup_steps = 80
     assert validate(cfg) == []

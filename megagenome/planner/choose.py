@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megagenome.observe.metrics import gpu_memory_gib
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.planner.states import (
     DS_DEFAULTS,
@@ -101,7 +102,8 @@ def evaluate(setup: Setup, cand: Candidate, gpus: int | None = None) -> dict:
     host = sum(states[name].cpu for name in STATES) + resident.cpu
     ranks_per_node = min(setup.cluster.gpus_per_node, gpus or setup.cluster.gpus)
     margin = 1.0 - setup.cluster.memory_margin
-    fits_gpu = gpu["total"] <= margin * setup.cluster.gpu_memory_gb * GIB
+    memory_gb = setup.cluster.gpu_memory_gb or gpu_memory_gib(setup.cluster.gpu) or 0.0  # by name when not given
+    fits_gpu = gpu["total"] <= margin * memory_gb * GIB
     fits_host = host * ranks_per_node <= margin * setup.cluster.cpu_memory_gb * GIB
     step = step_time(
         shape,

@@ -38,7 +38,7 @@ from megagenome.parallel.sequence import shard_batch
 from megagenome.parallel.sequence_conv import ConvExchange
 from megagenome.parallel.state import ParallelState
 from megagenome.parallel.tensor_parallel import TensorParallelLayers
-from megagenome.run import host_memory, resume_checks
+from megagenome.run import resume_checks
 from megagenome.train import checkpoint, ds_config, ds_final, optimizers, schedules
 from megagenome.train import engine as ds
 from megagenome.train.loop import evaluate, forward_sums
@@ -63,9 +63,8 @@ def validate(
 ) -> Validated:
     """Validate everything that can be checked without a process group; raise ConfigError listing every problem,
     each flag located in the YAML files that set it. data=False skips opening the genome; runtime=False skips what
-    only the machine that trains can answer (whether DeepSpeed's async I/O op builds here, whether a CPU run's ranks
-    fit this machine's memory (run/host_memory.py): `--dry_run`, which imports no deepspeed, and checks DeepSpeed's
-    JSON sections against train/ds_schema.py's copy)."""
+    only the machine that trains can answer (whether DeepSpeed's async I/O op builds here: `--dry_run`, which
+    imports no deepspeed, and checks DeepSpeed's JSON sections against train/ds_schema.py's copy)."""
     problems = locate(validate_config(cfg), config_files)
     ds_json, ds_problems = _ds_json(cfg, config_files, runtime)
     problems += ds_problems
@@ -86,9 +85,6 @@ def validate(
     resume = resume_checks.resolve(cfg, layout, checkpoint_root(cfg), fingerprint)
     problems += resume.problems
     problems += locate(optimizers.problems(cfg, ds_json, torch.cuda.is_available(), resume.convert), config_files)
-    if runtime and layout is not None and not problems and not torch.cuda.is_available():  # ranks share host memory
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-        problems += host_memory.problems(cfg, layout.world_size, max(1, local))
     if problems:
         if genome is not None:
             genome.close()

@@ -5,16 +5,17 @@ launch share it: `deepspeed --num_gpus 8 ... --config configs/dna_125m.yaml` on 
 of an 85M-parameter model and the OOM killer takes some of them mid-step. Each rank estimates its memory with the
 planner (planner/plan.py, the run config's own row: model states, activations at its micro batch and checkpointing,
 buffers; runtime counted at RUNTIME_GIB) and refuses, with the figures and what to change, when this node's ranks
-together need more than the memory available now (MemAvailable). The estimate is the planner's, made for GPUs: on a
-CPU the refusal is meant for runs that are clearly too large, so only an estimate above what is available refuses.
-MEGAGENOME_SKIP_MEMORY_CHECK=1 starts anyway.
+together need more than the memory available now (MemAvailable). Checked when a training run starts
+(run/pretrain.py), not by --dry_run, preflight or plan, which validate runs meant for other machines. The estimate
+is the planner's, made for GPUs: on a CPU the refusal is meant for runs that are clearly too large, so only an
+estimate above what is available refuses. MEGAGENOME_SKIP_MEMORY_CHECK=1 starts anyway.
 """
 
 from __future__ import annotations
 
 import os
 
-from megagenome.config import RootConfig
+from megagenome.config import ConfigError, RootConfig
 
 RUNTIME_GIB = 0.5  # a CPU rank's interpreter, torch and DeepSpeed before the model (measured: 0.4-0.6 GiB RSS)
 SKIP = "MEGAGENOME_SKIP_MEMORY_CHECK"
@@ -61,3 +62,16 @@ def problems(cfg: RootConfig, world: int, local: int, available: float | None = 
         "lower --train.micro_batch_size or --data.seq_len, use --model.checkpointing full, or run it on GPUs. "
         f"(`megagenome plan` shows the estimate; {SKIP}=1 starts anyway)"
     ]
+
+
+def refuse_if_too_large(cfg: RootConfig, world_size: int) -> None:
+    """At the start of a training run on a machine without a GPU: ConfigError when this node's ranks (LOCAL_SIZE,
+    set by the deepspeed launcher; LOCAL_WORLD_SIZE by torchrun) would not fit its memory (`problems`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    found = problems(cfg, world_size, max(1, local))
+    if found:
+        raise ConfigError(found)

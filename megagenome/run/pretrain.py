@@ -34,7 +34,7 @@ from megagenome.observe.metrics import MetricsWriter, measure_matmul_tflops, res
 from megagenome.observe.record import env_record, write_json, write_yaml
 from megagenome.parallel import pipeline, tensor_parallel
 from megagenome.parallel.sequence import shard_batch
-from megagenome.run import assembly, resume_checks, summary
+from megagenome.run import assembly, host_memory, resume_checks, summary
 from megagenome.run.assembly import Run, Validated
 from megagenome.run.lock import RunLock, RunLocked
 from megagenome.train import checkpoint, ds_config, ds_final, loop
@@ -98,6 +98,11 @@ def _watchable(name: str | None) -> bool:
 def _run(cfg: RootConfig, config_files: list[str], keep_process_group: bool, stop: StopRequest | None) -> dict:
     started = time.time()
     validated = assembly.validate(cfg, config_files, int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        host_memory.refuse_if_too_large(validated.cfg, validated.layout.world_size)  # a CPU run, before any model
+    except ConfigError:
+        validated.data.close()
+        raise
     data, lock, logs = validated.data, None, None
     try:
         ranks = assembly.start_ranks(validated.cfg, validated.layout)
