@@ -105,6 +105,7 @@ def test_the_report_renders_from_the_record_failed_and_pending_arms_included(tmp
         "causal": [{**vep_row, "objective": "clm", "auroc": 0.458, "ci95": [0.437, 0.481], "run_dir": "runs/brca1",
                     "date": "2026-12-01"}],
         "composition": {"auroc": 0.46, "ci95": [0.44, 0.478]},
+        "masked_baseline": {"0": 1.95, "1": 1.93, "2": 1.92, "3": 1.9150, "4": 1.96},
     }  # fmt: skip
     out = tmp_path / "mlm_architectures"
     (tmp_path / "mlm_architectures.json").write_text(json.dumps(record))
@@ -112,7 +113,11 @@ def test_the_report_renders_from_the_record_failed_and_pending_arms_included(tmp
     md = (tmp_path / "mlm_architectures.md").read_text()
     assert md == mlm.markdown(record) and md.startswith("# Masked DNA LMs")
     assert "- command: `python benchmarks/mlm_architectures.py`" in md and "- date: 2026-12-04" in md
-    assert "| gpn | 854,144 | 600 | 4,915,200 | 1.9100 | 1.9300 (order 7) | 349 | 15,000 | 1.0 -> 2.0 | 36,000 |" in md
+    assert (
+        "| gpn | 854,144 | 600 | 4,915,200 | 1.9100 | 1.9150 (k=3) | +0.0050 | 1.9300 (order 7) | 349 | 15,000 | "
+        "1.0 -> 2.0 | 36,000 |" in md
+    )  # the masked baseline it is compared with; the causal Markov chain for scale
+    assert "k = 0..4: 1.9500 1.9300 1.9200 1.9150 1.9600." in md
     assert "| caduceus_ph | failed: CalledProcessError: exit 1 |" in md
     assert "Not run yet (this file is rewritten after every arm): caduceus_ps." in md
     assert "0.458 [0.437, 0.481]" in md and "0.510 [0.490, 0.530]" in md and "0.460 [0.440, 0.478]" in md

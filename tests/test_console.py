@@ -134,6 +134,21 @@ def test_the_summary_is_nine_lines_and_names_the_invocation_it_timed(capsys):
     summary.print_summary(_summary(heldout_bits_per_base=None, beats_best_markov=False, steps=30, max_steps=600))
     out = capsys.readouterr().out  # a run stopped by --train.stop_at 30 before its first evaluation
     assert "held-out bits/base not evaluated: stopped at step 30 of 600; rerun the same command to continue" in out
+    masked = {str(k): 1.92 - k / 100 for k in range(5)}  # an mlm run: compared with its masked baselines
+    summary.print_summary(_summary(masked_baseline_bits_per_base=masked, best_masked_baseline_k=4,
+                                   beats_best_masked_baseline=False, beats_best_markov=None))  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        "held-out bits/base 1.9000 (model, masked positions): 0.0200 above, not yet below the best masked "
+        "baseline, k=4 each side at 1.8800" in lines
+    )  # not "below" the causal order-8 chain at 1.9200
+    assert (
+        "masked baselines   k=0..4 bases each side: 1.9200 1.9100 1.9000 1.8900 1.8800 (two-sided k-mer "
+        "context, same masking; fitted on both strands)" in lines
+    )
+    assert next(line for line in lines if line.startswith("Markov baselines")).endswith(
+        "1.9200 (causal: one side, for scale only; fitted on both strands)"
+    )
     summary.print_summary(_summary(first_step=400, wall_s=120.0))
     assert "120.0 s (this invocation: steps 401-600, resumed at step 400)" in capsys.readouterr().out
     summary.print_summary(_summary(first_step=600, wall_s=3.6))

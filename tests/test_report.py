@@ -212,7 +212,7 @@ def test_report_draws_every_plot_and_summarises(tmp_path):
         "| steps | 8 of 8 |",
         "| tokens | 2,048 (training, all ranks) |",
         "| final train loss | 1.6000 nats/token (step 8) |",
-        "| held-out bits/base | 1.9600 (step 8); best Markov baseline order-3 1.9700: the model is 0.0100 below it |",
+        "| held-out bits/base | 1.9600 (step 8); best baseline order-3 Markov 1.9700: the model is 0.0100 below it |",
         "| MFU | 2.00% (HFU 2.50%) of 0.1 TFLOP/s per device (measured-cpu-matmul), median |",
         "| peak memory | 1.00 GiB (largest rank) |",
         "| order-3 Markov (best) | 1.9700 |",
@@ -238,6 +238,28 @@ def test_the_baselines_are_lines_on_the_bits_per_base_plot(tmp_path):
     assert [label.split()[0] for label in legend] == [f"order-{k}" for k in range(9)]  # not by value (order 8 < 4)
 
 
+def test_a_masked_run_is_reported_against_its_masked_baselines(tmp_path):
+    """An mlm run's summary.json carries two-sided k-mer baselines: the plot, the held-out line and the table show
+    those, named as such, not the causal Markov chains also in the file."""
+    run = synthetic_run(tmp_path, rows())
+    summary = json.loads((run / "summary.json").read_text())
+    masked = {"0": 1.99, "1": 1.97, "2": 1.95, "3": 1.955}
+    (run / "summary.json").write_text(json.dumps({**summary, "masked_baseline_bits_per_base": masked}))
+    records = report.load(str(run))
+    plot = next(p for p in report.PLOTS if p.name == "bits_per_base")
+    labels = [line.get_label() for line in report.figure(plot, records).axes[0].get_lines()[1:]]
+    assert labels == [
+        f"masked k-mer, k={k} each side {v:.4f}" + (" (best)" if k == "2" else "") for k, v in masked.items()
+    ]
+    md = report.markdown(records, {}, {})
+    assert (
+        "| held-out bits/base | 1.9600 (step 8) (masked positions); best baseline masked k-mer, k=2 each side "
+        "1.9500: the model is 0.0100 above it (not yet below) |" in md
+    )
+    assert "## Held-out bits per base against the masked baselines (two-sided k-mer context" in md
+    assert "| masked k-mer, k=2 each side (best) | 1.9500 |" in md and "Markov" not in md
+
+
 def test_missing_metrics_skip_their_plot(tmp_path):
     """No MFU (no known peak), no memory, no summary.json yet: those plots are not drawn and report.md says why."""
     run = synthetic_run(tmp_path, rows(mfu=False, memory=False), finished=False)
@@ -248,7 +270,7 @@ def test_missing_metrics_skip_their_plot(tmp_path):
     assert '- mfu.png: no training row carries "mfu"' in md
     assert '- memory.png: no training row carries "mem_peak_bytes_max"' in md
     assert "| MFU | not recorded" in md and "| peak memory | not recorded |" in md
-    assert "no Markov baselines (no summary.json" in md and "parameters unknown" in md
+    assert "no baselines (no summary.json" in md and "parameters unknown" in md
 
 
 def test_a_directory_without_metrics_is_an_error(tmp_path, capsys):

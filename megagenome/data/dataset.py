@@ -33,14 +33,13 @@ from megagenome.data import prepared
 from megagenome.data.blend import BlendSampler, GroupSampler, Unit
 from megagenome.data.fasta import Genome
 from megagenome.data.intervals import build_split, n_free_intervals, restrict, split_record, total_bases
+from megagenome.data.masking import mask_window
 from megagenome.data.sampler import WindowSampler, eval_windows
-from megagenome.data.tokenizer import A_ID, MASK_ID, N_ID, PAD_ID, SEP_ID, T_ID, encode, reverse_complement
+from megagenome.data.tokenizer import N_ID, SEP_ID, encode, reverse_complement
 
 OBJECTIVES = ("clm", "mlm")
 # Second word of every per-sample rng seed (see sampler.RNG_WINDOWS, which is 0).
 RNG_RC, RNG_MASK, RNG_EVAL_MASK = 1, 2, 3
-# BERT's split of the selected positions: 80% become <mask>, 10% a random base, 10% stay unchanged.
-MASK_FRACTION, RANDOM_FRACTION = 0.8, 0.1
 
 
 class FastaTokens:
@@ -213,7 +212,7 @@ class GenomeData:
         weight[(tokens == N_ID) | (tokens == SEP_ID)] = 0.0  # N (and packing separators) carry nothing to learn
         if self.objective == "clm":
             return tokens[:-1], tokens[1:], weight[1:]  # (T,) each: predict base t+1 from bases <= t
-        return _mask(tokens, weight, self.cfg.mlm_probability, rng)
+        return mask_window(tokens, weight, self.cfg.mlm_probability, rng)
 
     def groups_trained(self) -> list[str]:
         """With prepared data: the groups of the units whose windows this process trained on, sorted."""
@@ -228,27 +227,6 @@ class GenomeData:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _mask(
-    tokens: np.ndarray, weight: np.ndarray, probability: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """BERT-style masking of one window: select non-N positions with `probability` (at least one when any
-    exists), then replace 80% of them with <mask>, 10% with a random base and keep 10%."""
-    n = tokens.size
-    eligible = tokens != N_ID
-    chosen = eligible & (rng.random(n) < probability)
-    if not chosen.any() and eligible.any():
-        # A window with no target would contribute nothing but still cost a forward pass.
-        chosen[rng.choice(np.flatnonzero(eligible))] = True
-    action = rng.random(n)
-    random_bases = rng.integers(A_ID, T_ID + 1, size=n, dtype=np.int64)
-    inputs = tokens.astype(np.int64)
-    inputs[chosen & (action < MASK_FRACTION)] = MASK_ID
-    swap = chosen & (action >= MASK_FRACTION) & (action < MASK_FRACTION + RANDOM_FRACTION)
-    inputs[swap] = random_bases[swap]
-    labels = np.where(chosen, tokens, PAD_ID)
-    return inputs, labels, np.where(chosen, weight, np.float32(0.0)).astype(np.float32)
 
 
 def _collate(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:

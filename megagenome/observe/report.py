@@ -1,10 +1,11 @@
 """`megagenome report RUN` (layer L1): PNG plots of a run's metrics and a short Markdown summary.
 
-Reads <run dir>/metrics.jsonl (required), summary.json (the Markov baselines, parameter count and wall time; absent
+Reads <run dir>/metrics.jsonl (required), summary.json (the baselines, parameter count and wall time; absent
 while a run is in progress) and config.yaml (the model's shape), and writes into --output (default RUN/report):
 
     loss.png           training loss and held-out loss (nats per token)
-    bits_per_base.png  held-out bits per base, the order-k Markov baselines of summary.json as horizontal lines
+    bits_per_base.png  held-out bits per base, summary.json's baselines as horizontal lines: order-k Markov chains,
+                       or a masked run's two-sided k-mer context models
     lr.png             learning rate
     tokens_per_s.png   throughput, all ranks together
     mfu.png            MFU and HFU (causal attention counted at half, as Megatron-LM does) and MFU counting every
@@ -43,7 +44,7 @@ class Plot:
     ylabel: str
     series: tuple[tuple[str, str, str], ...]  # (split, metrics key, legend label); the first one decides if drawn
     scale: float = 1.0  # values are multiplied by this before plotting
-    baselines: bool = False  # draw summary.json's Markov baselines as horizontal lines
+    baselines: bool = False  # draw summary.json's baselines as horizontal lines
     from_zero: bool = False  # the y axis starts at 0 (quantities whose small wiggles should not look large)
 
 
@@ -99,9 +100,20 @@ class RunRecords:
         return [s for s, _ in pairs], [v for _, v in pairs]
 
     @property
+    def masked(self) -> bool:
+        """Whether summary.json compares the model with masked baselines (an mlm run, run/summary.py)."""
+        return bool((self.summary or {}).get("masked_baseline_bits_per_base"))
+
+    @property
     def baselines(self) -> dict[int, float]:
-        found = (self.summary or {}).get("markov_bits_per_base") or {}
+        """The baselines the model's held-out figure is compared with: a masked run's two-sided k-mer context models
+        ({k bases each side: bits}), else the order-k Markov chains ({k: bits})."""
+        key = "masked_baseline_bits_per_base" if self.masked else "markov_bits_per_base"
+        found = (self.summary or {}).get(key) or {}
         return {int(k): float(v) for k, v in sorted(found.items(), key=lambda kv: int(kv[0]))}
+
+    def baseline_name(self, k: int) -> str:
+        return f"masked k-mer, k={k} each side" if self.masked else f"order-{k} Markov"
 
 
 def _number(value) -> bool:
@@ -177,8 +189,9 @@ def draw(plots, records: RunRecords) -> tuple[dict, dict[str, str]]:
 
 
 def _draw_baselines(ax, records: RunRecords) -> None:
-    """summary.json's order-k Markov baselines as horizontal lines: dashed, coloured by order, the best one solid
-    red; the legend lists them by order k (0, 1, 2, ...), whatever their values."""
+    """summary.json's baselines (order-k Markov, or a masked run's two-sided k-mer models) as horizontal lines:
+    dashed, coloured by k, the best one solid red; the legend lists them by k (0, 1, 2, ...), whatever their
+    values."""
     from matplotlib import colormaps
 
     baselines = records.baselines
@@ -187,7 +200,7 @@ def _draw_baselines(ax, records: RunRecords) -> None:
     best = min(baselines, key=baselines.get)
     cmap = colormaps["viridis"]
     for k, v in sorted(baselines.items(), key=lambda kv: int(kv[0])):
-        label = f"order-{k} Markov {v:.4f}" + (" (best)" if k == best else "")
+        label = f"{records.baseline_name(k)} {v:.4f}" + (" (best)" if k == best else "")
         if k == best:
             ax.axhline(v, color="tab:red", linewidth=2.0, label=label)
         else:
@@ -213,7 +226,7 @@ def facts(records: RunRecords) -> list[tuple[str, str]]:
         out.append(("tokens", f"{last['tokens']:,} (training, all ranks)"))
     if _number(last.get("loss")):
         out.append(("final train loss", f"{last['loss']:.4f} nats/token (step {last['step']})"))
-    out.append(("held-out bits/base", _heldout_line(evals, records.baselines)))
+    out.append(("held-out bits/base", _heldout_line(evals, records)))
     tps = _median([r["tokens_per_s"] for r in timed if _number(r.get("tokens_per_s"))])
     if tps is not None:
         out.append(("throughput", f"{tps:,.0f} tokens/s (median over logged intervals after the first, all ranks)"))
@@ -255,17 +268,19 @@ def _model_line(summary: dict, model: dict, data: dict) -> str:
     return size + (": " + ", ".join(shape) if shape else "")
 
 
-def _heldout_line(evals: list[dict], baselines: dict[int, float]) -> str:
+def _heldout_line(evals: list[dict], records: RunRecords) -> str:
     final = next((r for r in reversed(evals) if _number(r.get("bits_per_base"))), None)
     if final is None:
         return "not evaluated yet"
     line = f"{final['bits_per_base']:.4f} (step {final['step']})"
+    baselines = records.baselines
     if not baselines:
-        return line + "; no Markov baselines (no summary.json: the run has not finished)"
+        return line + "; no baselines (no summary.json: the run has not finished)"
     best = min(baselines, key=baselines.get)
     gap = final["bits_per_base"] - baselines[best]
     verdict = f"{-gap:.4f} below it" if gap < 0 else f"{gap:.4f} above it (not yet below)"
-    return line + f"; best Markov baseline order-{best} {baselines[best]:.4f}: the model is {verdict}"
+    kind = " (masked positions)" if records.masked else ""
+    return line + f"{kind}; best baseline {records.baseline_name(best)} {baselines[best]:.4f}: the model is {verdict}"
 
 
 def markdown(records: RunRecords, drawn: dict[str, str], skipped: dict[str, str]) -> str:
@@ -285,12 +300,17 @@ def markdown(records: RunRecords, drawn: dict[str, str], skipped: dict[str, str]
     ]
     evals = [r for r in records.split("val") if _number(r.get("bits_per_base"))]
     if records.baselines:
-        lines += ["", "## Held-out bits per base against the Markov baselines", "", "| | bits/base |", "|---|---|"]
+        against = (
+            "the masked baselines (two-sided k-mer context under the same masking: data/masked_baseline.py)"
+            if records.masked
+            else "the Markov baselines"
+        )
+        lines += ["", f"## Held-out bits per base against {against}", "", "| | bits/base |", "|---|---|"]
         if evals:
             lines.append(f"| model (step {evals[-1]['step']}) | {evals[-1]['bits_per_base']:.4f} |")
         best = min(records.baselines, key=records.baselines.get)
         for k, v in records.baselines.items():
-            lines.append(f"| order-{k} Markov{' (best)' if k == best else ''} | {v:.4f} |")
+            lines.append(f"| {records.baseline_name(k)}{' (best)' if k == best else ''} | {v:.4f} |")
     lines += ["", "## Plots", ""]
     for plot in PLOTS:
         if plot.name in drawn:
