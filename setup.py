@@ -29,7 +29,6 @@ setup(
         "safetensors==0.8.0",  # `megagenome export`: model.safetensors, the format Hugging Face loads; `embed`'s output
         "tensorboard==2.21.0",  # event files beside metrics.jsonl (torch.utils.tensorboard writes through it)
         "matplotlib==3.10.9",  # `megagenome report` draws its PNGs
-        "torchao==0.18.0",  # `megagenome export --quantize int8`: PyTorch's maintained quantization (quantize.py)
         # Supervised variant-effect prediction (score-variants --supervised: logistic regression / gradient boosting,
         # grouped cross-validation) and the task metrics of `finetune` (MCC, AUROC; Spearman through its scipy).
         "scikit-learn==1.9.1",
@@ -56,6 +55,7 @@ setup(
             "mkdocs==1.6.1",
             "mkdocs-material==9.8.1",
             "peft==0.21.2",
+            "torchao==0.18.0",  # the int8 extra: INT8 export and the 8-bit AdamW on CPU
             # The GPN oracle (tests/test_gpn.py): the gpn package's own model, built from its config, must give our
             # gpn family's logits from the same weights. Its only release for Python < 3.13 is this pre-release.
             "gpn==0.9.0a1",
@@ -63,6 +63,12 @@ setup(
         # `megagenome finetune --model.lora true`: Hugging Face's LoRA adapters on any torch module, merged back on
         # export (model/lora.py). An extra, since peft brings transformers, which the package itself never needs.
         "lora": ["peft==0.21.2"],
+        # `megagenome export --quantize int8` (after_training/quantize.py) and --train.optimizer adam8bit on CPU
+        # (train/optimizers.py): torchao, PyTorch's maintained quantization. An extra, not a requirement: importing
+        # it logs a line for each CUDA-only kernel library a CPU torch cannot load and torch one deprecation per
+        # enum it registers, and transformers imports it whenever it is installed, so every Hugging Face model load
+        # (an export, LoRA's peft) printed that noise for users who never quantize.
+        "int8": ["torchao==0.18.0"],
         # Loading an export with Hugging Face transformers (AutoModelForCausalLM, AutoTokenizer: the docs' example);
         # exporting needs none of it (megagenome writes the files itself).
         "hf": ["transformers==5.24.0"],

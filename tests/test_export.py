@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -183,7 +185,25 @@ def test_refusals_exit_2_and_write_nothing(trained, tmp_path, capsys):
     assert _main(run, tmp_path / "out", step=99) == 2
     assert _main(run, tmp_path / "out", eval_fasta=trained.fasta) == 2  # measures the int8 model only
     assert "--quantize int8" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as mp:  # torchao made unimportable: a venv without the int8 extra
+        mp.setitem(sys.modules, "torchao", None)
+        assert _main(run, tmp_path / "out", quantize="int8") == 2
+    assert "--quantize int8 needs torchao: pip install -e '.[int8]'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["no_checkpoint", "taken"]
+
+
+def test_a_hugging_face_load_is_quiet_without_the_int8_extra(exported):
+    """transformers imports torchao whenever it is installed, and torchao's import logs each CUDA-only library a CPU
+    torch cannot load and torch a deprecation per enum it registers: noise on every Hugging Face load. torchao is the
+    int8 extra, so the `hf` install does not have it (made unimportable here): loading an export prints
+    transformers' own progress bar and nothing else."""
+    path = str(exported("dense"))
+    load = f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({path!r})"
+    hidden = subprocess.run([sys.executable, "-c", f"import sys; sys.modules['torchao'] = None; {load}"],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert hidden.returncode == 0 and hidden.stdout == "", hidden.stderr[-3000:]
+    lines = [line for line in hidden.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    assert all(line.startswith("Loading weights") for line in lines), lines  # transformers' own progress bar only
 
 
 def test_int8_export(trained, exported):

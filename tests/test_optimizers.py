@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import types
 
 import pytest
@@ -229,6 +230,16 @@ def test_adam8bit_on_cuda_needs_bitsandbytes(tmp_path):
         pytest.skip("bitsandbytes is installed here")
     problems = optimizers.problems(_cfg(tmp_path, "adam8bit"), {}, on_gpu=True)
     assert problems == ["--train.optimizer=adam8bit on CUDA needs bitsandbytes: pip install bitsandbytes"]
+
+
+def test_adam8bit_on_cpu_needs_the_int8_extra(tmp_path, monkeypatch):
+    """torchao is the int8 extra, not a requirement: without it (made unimportable here, as in a venv installed with
+    `-e .` alone) the CPU 8-bit AdamW is refused before launch with the install line."""
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    problems = optimizers.problems(_cfg(tmp_path, "adam8bit"), {}, on_gpu=False)
+    assert problems == [
+        "--train.optimizer=adam8bit on CPU needs torchao: pip install -e '.[int8]' (the int8 extra) in the checkout"
+    ]
 
 
 def test_validation_refuses_before_launch(tmp_path):

@@ -73,6 +73,10 @@ def main(ns) -> int:
     """`megagenome export` on its parsed namespace: 0, or 2 with the reason on stderr."""
     if getattr(ns, "format", "megagenome") != "megagenome":
         return _main_published(ns)
+    missing = quantize.unavailable() if ns.quantize == "int8" else None
+    if missing:
+        print(f"{PROG}: error: {missing}", file=sys.stderr)
+        return 2
     try:
         manifest = export(ns.run, ns.output, ns.step, ns.dtype, ns.quantize, ns.eval_fasta, ns.eval_windows)
     except ValueError as e:  # ExportError, CheckpointError, FastaError ...
@@ -82,9 +86,6 @@ def main(ns) -> int:
         beside = os.path.dirname(os.path.abspath(ns.output))  # the staged directory is written there
         flag = "--output " if e.filename and os.path.abspath(str(e.filename)).startswith(beside + os.sep) else ""
         print(f"{PROG}: error: {flag}{describe_os_error(e)}", file=sys.stderr)
-        return 2
-    except ImportError as e:
-        print(f"{PROG}: error: {e} (--quantize int8 needs torchao: pip install torchao)", file=sys.stderr)
         return 2
     source = manifest["source"]
     print(f"megagenome: exported {source['checkpoint']} (step {source['step']}) to {ns.output}")

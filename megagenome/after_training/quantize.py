@@ -37,9 +37,21 @@ SCHEME = (
 )
 
 
+def unavailable() -> str | None:
+    """Why --quantize int8 cannot run here (torchao, the int8 extra, not installed), else None: asked before any
+    work, so that a missing package is one line and not an export stopped half-way."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return "--quantize int8 needs torchao: pip install -e '.[int8]' (the int8 extra) in the checkout"
+    return None
+
+
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Quantize `model` (float32, on CPU) in place: every linear its family names quantizable to torchao dynamic
     int8."""
+    if unavailable():
+        raise ImportError("INT8 weights need torchao: pip install -e '.[int8]' (the int8 extra) in the checkout")
     # Quiet at import: torchao logs each CUDA-only kernel library it cannot load, torch each enum torchao registers.
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in quiet]

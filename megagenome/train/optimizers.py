@@ -46,6 +46,7 @@ from megagenome.train import ds_config as dsc
 
 NAMES = ("adamw", "lamb", "adafactor", "muon", "adam8bit")
 BNB_HINT = "pip install bitsandbytes"
+TORCHAO_HINT = "pip install -e '.[int8]' (the int8 extra) in the checkout"
 
 __all__ = ["NAMES", "Lamb", "client_optimizer", "ds_entries", "optimizer_state_bytes", "problems", "tag_muon"]
 
@@ -257,6 +258,8 @@ def problems(cfg: RootConfig, ds: dict, on_gpu: bool, converting: bool = False) 
             )
         if on_gpu and not _has("bitsandbytes"):
             out.append(f"{flag} on CUDA needs bitsandbytes: {BNB_HINT}")
+        if not on_gpu and not _has("torchao"):
+            out.append(f"{flag} on CPU needs torchao: {TORCHAO_HINT}")
     ckpt = cfg.checkpoint
     if ckpt.universal or converting:
         which = "--checkpoint.universal" if ckpt.universal else "--checkpoint.convert_on_resize (a resize)"
