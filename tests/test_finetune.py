@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -88,6 +89,32 @@ def test_early_stopping(tuned):
     assert [r["step"] for r in rows if r.get("split") == "test_best"] == [1]
 
 
+def test_every_result_has_its_kmer_baseline(tuned, capsys):
+    """Beside the model's validation and test metrics, the k-mer composition baseline's: fitted on the same training
+    split, (k, C) chosen on validation by the run's metric, scored on the same splits with the same metrics (its
+    n equal to the model's); its predicted class in the predictions file; one console line comparing the two."""
+    s = summary(tuned / "zero0")
+    baseline = s["baseline"]
+    assert baseline["name"] == "k-mer composition, logistic regression" and baseline["metric"] == s["metric"] == "mcc"
+    assert len(baseline["by_choice"]) == 18 and baseline["choice"] in baseline["by_choice"]
+    assert baseline["by_choice"][baseline["choice"]] == max(v for v in baseline["by_choice"].values() if v is not None)
+    for split in ("validation", "test"):
+        assert baseline[split]["n"] == s[split]["n"] and set(baseline[split]) == set(s[split])
+    lines = (tuned / "zero0" / "predictions_test.tsv").read_text().splitlines()
+    classes = lines[0].split("\t")[3:-1]
+    assert lines[0].split("\t")[-1] == "baseline_predicted" and len(lines) == s["test"]["n"] + 1
+    predicted = [line.split("\t")[-1] for line in lines[1:]]
+    labels = [line.split("\t")[1] for line in lines[1:]]
+    accuracy = np.mean([p == t for p, t in zip(predicted, labels)])
+    assert accuracy == pytest.approx(baseline["test"]["accuracy"]) and set(predicted) <= {c[2:] for c in classes}
+    finetune._print_summary(SimpleNamespace(log=SimpleNamespace(run_dir="r")), s)
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(
+        f"megagenome finetune: test mcc {s['test']['mcc']:.4f}, k-mer baseline ({baseline['choice']}"
+    )
+    assert f") {baseline['test']['mcc']:.4f}: the model is " in line
+
+
 def test_lora_merged_equals_adapter(tuned):
     """The LoRA run's best checkpoint as peft's adapter model and merged into the backbone give the same
     probabilities (fp32); the adapters moved the weights away from the pretrained ones."""
@@ -134,8 +161,8 @@ def test_export_of_a_finetuned_model(tuned, tmp_path):
     with torch.no_grad():
         _, probs = load_task_model(str(out))(**collate(data.splits["test"], "classification"))
     lines = (tuned / "lora" / "predictions_test.tsv").read_text().splitlines()
-    assert lines[0].split("\t")[:3] == ["name", "label", "predicted"]
-    written = np.array([[float(x) for x in line.split("\t")[3:]] for line in lines[1:]])
+    assert lines[0].split("\t")[:3] == ["name", "label", "predicted"] and lines[0].endswith("\tbaseline_predicted")
+    written = np.array([[float(x) for x in line.split("\t")[3:-1]] for line in lines[1:]])
     # The run evaluated in bf16, the export is fp32: equal to bf16's resolution.
     assert np.abs(probs.numpy() - written).max() < 0.02
 
@@ -148,7 +175,15 @@ def test_regression_and_per_base(tuned):
     record = json.loads((tuned / "regression" / "task.json").read_text())
     assert record["target_std"] > 0 and 0.3 < record["target_mean"] < 0.6  # GC fractions of phiX174
     lines = (tuned / "per_base" / "predictions_validation.tsv").read_text().splitlines()
-    assert lines[0] == "name\tlabels\tpredicted" and len(lines[1].split("\t")[1]) == 64
+    assert lines[0] == "name\tlabels\tpredicted\tbaseline_predicted" and len(lines[1].split("\t")[1]) == 64
+    assert len(lines[1].split("\t")[3]) == 64  # the k-mer context model's class of every base
+    assert reg["baseline"]["name"] == "k-mer composition, ridge regression" and reg["baseline"]["metric"] == "spearman"
+    assert pb["baseline"]["name"].startswith("position-wise") and pb["baseline"]["choice"] in (
+        "k=1",
+        "k=3",
+        "k=5",
+        "k=7",
+    )
     # LoRA under ZeRO-3: the adapters and the frozen weights come back from the partitions, merged.
     weights = task_weights.read_task_run(str(tuned / "per_base"))
     assert weights.record["lora"] and not any("lora" in k for k in weights.backbone)
@@ -168,6 +203,7 @@ def test_tensorboard_and_report(tuned, tmp_path):
     assert out.returncode == 0, out.stderr
     report = (tmp_path / "report.md").read_text()
     assert "## The best checkpoint" in report and "spearman" in report
+    assert "| validation, k-mer baseline | 25 |" in report and "The k-mer baseline: k-mer composition, ridge" in report
     assert (tmp_path / "spearman.png").exists() and (tmp_path / "loss.png").exists()
 
 

@@ -82,9 +82,15 @@ def markdown(records: RunRecords, task: dict, drawn: dict[str, str], skipped: di
         keys = ["loss", *METRICS[task["task"]]]
         lines += ["", "## The best checkpoint", "", "| split | n | " + " | ".join(keys) + " |"]
         lines.append("|---" * (len(keys) + 2) + "|")
-        for split, m in results:
+        baseline = summary.get("baseline") or {}
+        rows = [(split, m) for split, m in results]
+        rows += [(f"{split}, k-mer baseline", baseline[split]) for split, _ in results if baseline.get(split)]
+        for split, m in rows:
             cells = [f"{m[k]:.4f}" if isinstance(m.get(k), float) else "-" for k in keys]
             lines.append(f"| {split} | {m.get('n', '-')} | " + " | ".join(cells) + " |")
+        if baseline:
+            lines += ["", f"The k-mer baseline: {baseline['name']}, {baseline['choice']} chosen on validation "
+                      f"{baseline['metric']}, fitted on the same training split (run/task_baseline.py)."]  # fmt: skip
     else:
         lines += ["", "The run has not finished: no summary.json with the best checkpoint's metrics yet."]
     lines += ["", "## Plots", ""]

@@ -50,7 +50,7 @@ from megagenome.observe.record import env_record, write_json, write_yaml
 from megagenome.observe.task_metrics import HIGHER_IS_BETTER
 from megagenome.parallel.layout import BatchSizes, ParallelLayout
 from megagenome.parallel.state import ParallelState
-from megagenome.run import task_data, task_eval
+from megagenome.run import task_baseline, task_data, task_eval
 from megagenome.run.task_data import TaskData
 from megagenome.train import checkpoint, ds_config, ds_final, schedules
 from megagenome.train import engine as ds
@@ -310,6 +310,7 @@ def _test(engine, cfg, root: str, rank: int, stopping: EarlyStopping, evaluator,
     if best is not None:
         checkpoint.load(engine, os.path.join(root, checkpoint.tag_for(best)), rank, restore_rng=False)
     summary = {"best_step": best, "metric": stopping.metric, "best_value": stopping.best}
+    baseline = task_baseline.fit(evaluator.data, stopping.metric) if rank == 0 else None
     for split in ("validation", "test"):
         if not evaluator.data.splits[split]:
             continue
@@ -317,9 +318,10 @@ def _test(engine, cfg, root: str, rank: int, stopping: EarlyStopping, evaluator,
         writer.write({"step": best or 0, "split": f"{split}_best", **metrics})
         summary[split] = metrics
         if rank == 0:
-            task_eval.write_predictions(
-                os.path.join(cfg.log.run_dir, f"predictions_{split}.tsv"), evaluator.data, split, predictions
-            )
+            path = os.path.join(cfg.log.run_dir, f"predictions_{split}.tsv")
+            task_eval.write_predictions(path, evaluator.data, split, predictions, baseline["outputs"][split])
+    if baseline is not None:
+        summary["baseline"] = {k: v for k, v in baseline.items() if k != "outputs"}
     return summary
 
 
@@ -333,3 +335,13 @@ def _print_summary(cfg: FinetuneConfig, summary: dict) -> None:
         f"{split} at the best step: {shown}; run dir {cfg.log.run_dir}",
         file=sys.stderr,
     )
+    baseline, metric = summary.get("baseline"), summary["metric"]
+    if baseline and baseline.get(split):
+        model, theirs = test.get(metric), baseline[split].get(metric)
+        value = f"{theirs:.4f}" if theirs is not None else "undefined"
+        print(
+            f"megagenome finetune: {split} {metric} {model if model is None else f'{model:.4f}'}, k-mer baseline "
+            f"({baseline['choice']}: {baseline['name']}, chosen on validation {metric}) {value}: the model is "
+            f"{task_baseline.compared(model, theirs, metric)}",
+            file=sys.stderr,
+        )

@@ -44,26 +44,30 @@ class Evaluator:
 
     def metrics(self, split: str) -> tuple[dict, list[np.ndarray]]:
         outputs = self.outputs(split)
-        examples = self.data.splits[split]
-        task = self.data.task
-        if task == "per_base":
-            labels, probs = _padded(examples, outputs)
-            valid = labels != IGNORE
-            picked = probs[valid, labels[valid]]
-            loss = float(-np.log(np.clip(picked, 1e-12, None)).mean())
-            metrics = task_metrics(task, labels, probs)
-        elif task == "regression":
-            values = np.array([float(e.label) for e in examples])
-            predictions = np.array(outputs, dtype=np.float64)
-            std = self.scale[1]
-            loss = float((((predictions - values) / std) ** 2).mean())
-            metrics = task_metrics(task, values, predictions)
-        else:
-            labels = np.array([int(e.label) for e in examples])
-            probs = np.stack(outputs)
-            loss = float(-np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None)).mean())
-            metrics = task_metrics(task, labels, probs)
-        return {"loss": loss, **metrics}, outputs
+        return score(self.data.task, self.data.splits[split], outputs, self.scale[1]), outputs
+
+
+def score(task: str, examples: list, outputs: list[np.ndarray], target_std: float = 1.0) -> dict:
+    """The loss and metrics (observe/task_metrics.py) of `outputs` (probabilities (C,) or (T, C), or a value per
+    example) against the examples' labels: what the model is judged by, and the k-mer baseline alike
+    (run/task_baseline.py). The regression loss is the squared error of the target standardised by target_std."""
+    if task == "per_base":
+        labels, probs = _padded(examples, outputs)
+        valid = labels != IGNORE
+        picked = probs[valid, labels[valid]]
+        loss = float(-np.log(np.clip(picked, 1e-12, None)).mean())
+        metrics = task_metrics(task, labels, probs)
+    elif task == "regression":
+        values = np.array([float(e.label) for e in examples])
+        predictions = np.array(outputs, dtype=np.float64)
+        loss = float((((predictions - values) / target_std) ** 2).mean())
+        metrics = task_metrics(task, values, predictions)
+    else:
+        labels = np.array([int(e.label) for e in examples])
+        probs = np.stack(outputs)
+        loss = float(-np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None)).mean())
+        metrics = task_metrics(task, labels, probs)
+    return {"loss": loss, **metrics}
 
 
 def _padded(examples, outputs) -> tuple[np.ndarray, np.ndarray]:
@@ -78,25 +82,42 @@ def _padded(examples, outputs) -> tuple[np.ndarray, np.ndarray]:
     return labels, probs
 
 
-def write_predictions(path: str, data, split: str, outputs: list[np.ndarray]) -> None:
+def write_predictions(path: str, data, split: str, outputs: list[np.ndarray], baseline: list | None = None) -> None:
     """A TSV of `split`'s predictions: name, label, then the prediction (regression), the predicted class and each
-    class's probability (classification), or the bases, labels and predicted classes as strings (per_base)."""
+    class's probability (classification), or the bases, labels and predicted classes as strings (per_base); with
+    `baseline` (the k-mer baseline's outputs, run/task_baseline.py) its prediction or predicted class after them."""
     examples = data.splits[split]
     classes = list(data.classes)
+    theirs = baseline if baseline is not None else [None] * len(examples)
+    extra = ["baseline_prediction" if data.task == "regression" else "baseline_predicted"] if baseline else []
     if data.task == "regression":
-        header = ["name", "label", "prediction"]
-        rows = [[e.name, e.label, f"{float(o):.6g}"] for e, o in zip(examples, outputs)]
+        header = ["name", "label", "prediction", *extra]
+        rows = [[e.name, e.label, f"{float(o):.6g}", *_shown(b, data.task, classes)] for e, o, b in
+                zip(examples, outputs, theirs)]  # fmt: skip
     elif data.task == "per_base":
-        header = ["name", "labels", "predicted"]
-        rows = [[e.name, _classes_string(e.label), _classes_string(o.argmax(-1))] for e, o in zip(examples, outputs)]
+        header = ["name", "labels", "predicted", *extra]
+        rows = [[e.name, _classes_string(e.label), _classes_string(o.argmax(-1)), *_shown(b, data.task, classes)]
+                for e, o, b in zip(examples, outputs, theirs)]  # fmt: skip
     else:
-        header = ["name", "label", "predicted", *[f"p_{c}" for c in classes]]
+        header = ["name", "label", "predicted", *[f"p_{c}" for c in classes], *extra]
         rows = [
-            [e.name, classes[int(e.label)], classes[int(o.argmax())], *[f"{p:.6g}" for p in o]]
-            for e, o in zip(examples, outputs)
-        ]
+            [e.name, classes[int(e.label)], classes[int(o.argmax())], *[f"{p:.6g}" for p in o],
+             *_shown(b, data.task, classes)]
+            for e, o, b in zip(examples, outputs, theirs)
+        ]  # fmt: skip
     lines = ["\t".join(header)] + ["\t".join(str(v) for v in row) for row in rows]
     atomic_write(path, "\n".join(lines) + "\n")
+
+
+def _shown(output, task: str, classes: list[str]) -> list[str]:
+    """The baseline's column of one example: nothing without a baseline, else its value or predicted class(es)."""
+    if output is None:
+        return []
+    if task == "regression":
+        return [f"{float(output):.6g}"]
+    if task == "per_base":
+        return [_classes_string(np.asarray(output).argmax(-1))]
+    return [classes[int(np.asarray(output).argmax())]]
 
 
 def _classes_string(labels) -> str:
