@@ -115,6 +115,29 @@ def test_every_result_has_its_kmer_baseline(tuned, capsys):
     assert f") {baseline['test']['mcc']:.4f}: the model is " in line
 
 
+def test_from_scratch_is_the_same_architecture_from_random_weights(tuned, trained):
+    """--model.init random: the pretrained run's architecture, initialised afresh from --train.seed (equal to its
+    family's own initialisation under that seed, far from the pretrained weights), trained on the task alone; the
+    run records it and reports it, with its k-mer baseline like any other."""
+    from megagenome.data.tokenizer import VOCAB_SIZE
+    from megagenome.model import family_of
+
+    raw = _cfg(tuned, trained, model={"init": "random"}, train={"seed": 7})
+    prepared = finetune.validate(finetune_config_from_dict(raw), [])
+    scratch = finetune.build(prepared, {}).backbone.state_dict()
+    torch.manual_seed(7)
+    fresh = family_of(prepared.model_cfg).build(prepared.model_cfg, VOCAB_SIZE).state_dict()
+    pretrained = finetune.build(finetune.validate(finetune_config_from_dict(_cfg(tuned, trained)), []), {})
+    for name, tensor in pretrained.backbone.state_dict().items():
+        assert torch.equal(scratch[name], fresh[name]), name
+        assert name not in prepared.weights or torch.equal(tensor, prepared.weights[name].float()), name
+    assert any(not torch.equal(scratch[n], t.float()) for n, t in prepared.weights.items() if n in scratch)
+    run = tuned / "scratch"
+    assert json.loads((run / "task.json").read_text())["init"] == "random"
+    assert "init" not in json.loads((tuned / "zero0" / "task.json").read_text())
+    assert train_losses(run)[0] != train_losses(tuned / "zero0")[0] and summary(run)["baseline"]["test"]
+
+
 def test_lora_merged_equals_adapter(tuned):
     """The LoRA run's best checkpoint as peft's adapter model and merged into the backbone give the same
     probabilities (fp32); the adapters moved the weights away from the pretrained ones."""

@@ -53,11 +53,13 @@ def read_weights(
     return cfg.model, state, tag, cfg
 
 
-def build_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def build_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor] | None) -> torch.nn.Module:
     """The model of `model_cfg` (its family's) on CPU holding `state` (fp32 master copies become the parameters'
-    fp32). Eager: the training run's --model.compile is not carried over (windows and batches of any shape would
-    each recompile)."""
+    fp32); state None: its family's initialisation, drawn from torch's generator as the caller seeded it. Eager: the
+    training run's --model.compile is not carried over (windows and batches of any shape would each recompile)."""
     family = family_of(model_cfg)
+    if state is None:
+        return family.build(replace(model_cfg, compile=False), VOCAB_SIZE)
     with torch.random.fork_rng(devices=[]):
         model = family.build(replace(model_cfg, compile=False), VOCAB_SIZE)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)

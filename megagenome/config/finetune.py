@@ -32,6 +32,10 @@ class TaskModelConfig:
     export` directory: the backbone's shape and weights (any family, any checkpoint layout)."""
     step: int | None = None
     """Checkpoint step of --model.pretrained to start from (a run directory only; default: its newest)."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """pretrained: the backbone starts from --model.pretrained's weights. random: the same architecture with freshly
+    initialised weights (seeded by --train.seed), trained on the task alone: the from-scratch control that shows what
+    pretraining bought."""
     layer: int = -1
     """Backbone layer the head reads: -1 the final norm's output (what the LM head reads), i in 1..n_layer block i's
     output (the layers past it are not run). Only -1 uses the DeepSpeed JSON's activation checkpointing."""

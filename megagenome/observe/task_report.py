@@ -55,6 +55,8 @@ def markdown(records: RunRecords, task: dict, drawn: dict[str, str], skipped: di
     train = records.split("train")
     model = task["pretrained"]["model"]
     how = "LoRA" if task.get("lora") else ("head only" if task.get("freeze_backbone") else "full fine-tuning")
+    if task.get("init") == "random":
+        how += " from random weights (--model.init random: the from-scratch control)"
     sizes = task["data"]["sizes"]
     facts = [
         ("task", f"{task['task']}" + (f" ({', '.join(task['classes'])})" if task["classes"] else "")),

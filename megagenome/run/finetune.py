@@ -224,12 +224,13 @@ def _prune(root: str, keep_last: int, best: int | None) -> None:
 
 
 def build(p: Prepared, ds_conf: dict) -> TaskModel:
-    """The task model of `p` on CPU, the same on every rank: the pretrained backbone, its head, LoRA adapters or a
-    frozen backbone as asked."""
+    """The task model of `p` on CPU, the same on every rank: the pretrained backbone (or, with --model.init random, its
+    architecture freshly initialised), its head, LoRA adapters or a frozen backbone as asked."""
     from megagenome.after_training.weights import build_model
 
     cfg, family = p.cfg, family_of(p.model_cfg)
-    backbone = build_model(p.model_cfg, p.weights)
+    torch.manual_seed(cfg.train.seed)
+    backbone = build_model(p.model_cfg, p.weights if cfg.model.init == "pretrained" else None)  # random: from scratch
     backbone.set_checkpoint_function(ds.activation_checkpoint_function(ds_conf))
     torch.manual_seed(cfg.train.seed)
     classes = max(len(p.data.classes), 1)
@@ -259,6 +260,7 @@ def task_record(p: Prepared, model: TaskModel) -> dict:
         "head_dropout": m.head_dropout,
         "lora": lora,
         "freeze_backbone": m.freeze_backbone,
+        **({"init": "random"} if m.init == "random" else {}),  # absent for pretrained: earlier runs' keys unchanged
         "target_mean": model.head.target_mean,
         "target_std": model.head.target_std,
         "metric": metric_of(cfg),

@@ -123,6 +123,7 @@ def scenarios(root: pathlib.Path, pretrained: str, paths: dict) -> list[tuple[st
     out.append(("zero3_split", config(root, "zero3_split", pretrained, species, ["zero3"], **split)))
     out.append(("zero3_split", config(root, "zero3_split", pretrained, species, ["zero3"])))  # the resumed half
     out.append(("lora", config(root, "lora", pretrained, species, ["zero2", "bf16"], model={"lora": True})))
+    out.append(("scratch", config(root, "scratch", pretrained, species, ["zero0"], model={"init": "random"})))
     early = {"lr": 1e-9, "min_lr": 1e-9, "eval_interval": 1, "patience": 2}
     out.append(("early", config(root, "early", pretrained, species, ["zero0"], train=early)))
     out.append(("regression", config(root, "regression", pretrained, gc, ["zero1"])))
