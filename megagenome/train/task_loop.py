@@ -16,10 +16,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+LOSS_TIE_MARGIN = 1e-3  # a loss lower by 0.1% breaks a tie on the metric (EarlyStopping)
+
 
 @dataclass
 class EarlyStopping:
-    """The best validation value so far, its step, and how many evaluations since have not beaten it."""
+    """The best validation value so far, its step, and how many evaluations since have not beaten it.
+
+    A tie on the metric is broken by the validation loss: an evaluation with the best value and a loss lower by more
+    than LOSS_TIE_MARGIN (relative) is the new best. MCC and accuracy move in steps of one example on a validation
+    set of tens of windows and stay level for many evaluations while the model still improves (its loss falls);
+    without the tie-break the run stopped --train.patience evaluations into such a plateau and kept its first
+    checkpoint."""
 
     metric: str
     higher_is_better: bool
@@ -27,14 +35,19 @@ class EarlyStopping:
     best: float | None = None
     best_step: int | None = None
     bad_evals: int = 0
+    best_loss: float | None = None  # the validation loss at best_step
 
-    def update(self, step: int, value: float | None) -> bool:
-        """Record an evaluation; True when it is the new best. An undefined value (None) never improves."""
+    def update(self, step: int, value: float | None, loss: float | None = None) -> bool:
+        """Record an evaluation (its metric value and validation loss); True when it is the new best. An undefined
+        value (None) never improves."""
         better = value is not None and (
-            self.best is None or (value > self.best if self.higher_is_better else value < self.best)
+            self.best is None
+            or (value > self.best if self.higher_is_better else value < self.best)
+            or (value == self.best and _lower(loss, self.best_loss))
         )
         if better:
             self.best, self.best_step, self.bad_evals = float(value), step, 0
+            self.best_loss = None if loss is None else float(loss)
         else:
             self.bad_evals += 1
         return better
@@ -49,6 +62,11 @@ class EarlyStopping:
     @classmethod
     def restore(cls, state: dict) -> EarlyStopping:
         return cls(**state)
+
+
+def _lower(loss: float | None, best_loss: float | None) -> bool:
+    """Whether loss is below best_loss by more than LOSS_TIE_MARGIN of it (not by float noise)."""
+    return loss is not None and best_loss is not None and loss < best_loss * (1 - LOSS_TIE_MARGIN)
 
 
 @dataclass
@@ -120,7 +138,7 @@ def fit_task(
                 save(step, stopping)
             continue
         metrics = evaluate()
-        improved = stopping.update(step, metrics.get(stopping.metric))
+        improved = stopping.update(step, metrics.get(stopping.metric), metrics.get("loss"))
         row = {"step": step, "split": "validation", **metrics, "best": improved}
         write(row)
         result.rows.append(row)

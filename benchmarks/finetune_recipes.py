@@ -1,0 +1,180 @@
+"""Fine-tuning recipes side by side (issue 43): does `megagenome finetune` learn more than k-mer counts?
+
+Each arm is one `megagenome finetune` of the default job's model (`bash launch/local.sh --config configs/tiny.yaml`:
+runs/tiny, StripedHyena 2, 600 steps on E. coli) with its own flags on top of the command's defaults, on 1 rank;
+`default` adds none. Every run's summary.json carries its k-mer baseline (run/task_baseline.py: composition into
+logistic regression, chosen on validation, scored on the same test windows), so each row shows the model's test MCC
+beside the baseline's on the same split.
+
+Tasks (Genomic Benchmarks folders written by megagenome.data.species_task; on every contig the last 20% is the test
+region and no window crosses into it; validation is a stratified 10% of the training windows):
+  two_species   E. coli K-12 against S. aureus NCTC 8325 (the first is the model's pretraining genome, whose test
+                region holds its held-out range), 512-base windows, 400 training and 100 test windows per class
+  species       benchmarks/species_task.py's four species (E. coli, S. aureus, S. cerevisiae, phage lambda),
+                256-base windows, 400 and 100 per class
+
+Arms (ARMS): `default`, recipe candidates (learning rates, the head's learning rate, pooling), a linear probe of the
+frozen backbone, and `scratch`: the same architecture from random weights (--model.init random), the control that
+shows what pretraining bought.
+
+Designed to finish in pieces: an invocation starts no arm after --budget_minutes (default 40; an arm takes 3-12 min
+on 2 cores), and benchmarks/results/finetune_recipes.{json,md} are rewritten after every arm, keeping the arms that
+earlier invocations measured (with the same --model): committing them carries the figures to the next session. An arm
+whose run directory under --work holds a summary.json is read, not run again.
+
+    python benchmarks/finetune_recipes.py [--model runs/tiny] [--tasks two_species species] [--arms default ...]
+        [--work /tmp/finetune_recipes] [--budget_minutes 40] [--render_only]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import harness
+
+GENOMES = {
+    "ecoli": "examples/data/ecoli_K12_MG1655_NC_000913.2.fa.bgz",
+    "saureus": "tests/data/saureus_NCTC8325_NC_007795.1.fasta.gz",
+    "scerevisiae": "tests/data/scerevisiae_S288C_ASM205763v1.fa.bgz",
+    "lambda": "tests/data/lambda_NC_001416.1.fa.gz",
+}
+TASKS = {  # name: (species, window, training windows per class, test windows per class)
+    "two_species": (("ecoli", "saureus"), 512, 400, 100),
+    "species": (("ecoli", "saureus", "scerevisiae", "lambda"), 256, 400, 100),
+}
+ARMS = {  # name: flags on top of `megagenome finetune`'s defaults
+    "default": [],
+    "lr_1e-3": ["--train.lr", "1e-3"],
+    "lr_3e-4": ["--train.lr", "3e-4"],
+    "pool_last": ["--model.pooling", "last"],
+    "probe": ["--model.freeze_backbone", "true", "--train.lr", "1e-2"],
+    "scratch": ["--model.init", "random"],
+}
+OUT = harness.RESULTS / "finetune_recipes"
+
+
+def build_task(name: str, work: str) -> str:
+    """The task's folder under work (written once; its manifest names every window)."""
+    from megagenome.data.species_task import build_species_task
+
+    path = os.path.join(work, "tasks", name)
+    if not os.path.exists(os.path.join(path, "manifest.json")):
+        species, window, train, test = TASKS[name]
+        genomes = {s: str(harness.REPO / GENOMES[s]) for s in species}
+        build_species_task(genomes, path, window=window, train_per_class=train, test_per_class=test)
+    return path
+
+
+def run_arm(model: str, task: str, arm: str, work: str) -> dict:
+    """One `megagenome finetune` (or the summary an earlier one left in its run directory): what the table shows."""
+    run_dir = os.path.join(work, "runs", task, arm)
+    summary_path = os.path.join(run_dir, "summary.json")
+    wall, load = None, [harness.load_average()]
+    if not os.path.exists(summary_path):
+        cmd = [sys.executable, "-m", "megagenome", "finetune", "--model.pretrained", model, "--data.benchmark",
+               build_task(task, work), "--log.run_dir", run_dir, "--log.progress", "false", *ARMS[arm]]  # fmt: skip
+        print("+", " ".join(cmd[1:]), flush=True)
+        started = time.time()
+        done = subprocess.run(cmd, cwd=harness.REPO, env=harness.child_env(), capture_output=True, text=True)
+        wall = time.time() - started
+        if done.returncode != 0:
+            return {"failed": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
+        load.append(harness.load_average())
+    with open(summary_path, encoding="utf-8") as fh:
+        s = json.load(fh)
+    return {
+        "flags": " ".join(ARMS[arm]) or "(none)",
+        "best_step": s["best_step"],
+        "last_step": s["last_step"],
+        "stopped_early": s["stopped_early"],
+        "test": s["test"],
+        "validation": s["validation"],
+        "baseline": s["baseline"],
+        "wall_s": wall,
+        "load": load if wall is not None else None,
+        "measured": {"date": harness.today(), "commit": harness.git_commit(), "hardware": harness.hardware()},
+    }
+
+
+def markdown(record: dict) -> str:
+    lines = ["# Fine-tuning recipes against the k-mer baseline", "", *harness.header(record["meta"]),
+             f"- pretrained model: `{record['model']}`", ""]  # fmt: skip
+    for task, arms in record["results"].items():
+        species, window, train, test = TASKS[task]
+        lines += [f"## {task}: {', '.join(species)}; {window}-base windows, {train} training and {test} test per class",
+                  ""]  # fmt: skip
+        rows = []
+        for arm, r in arms.items():
+            if "failed" in r:
+                rows.append([arm, ARMS.get(arm, "?"), r["failed"], *["-"] * 6])
+                continue
+            t, b = r["test"], r["baseline"]
+            margin = t["mcc"] - b["test"]["mcc"]
+            wall = f"{r['wall_s']:.0f}" if r.get("wall_s") else "-"
+            stop = f"{r['best_step']} of {r['last_step']}" + (" (early stop)" if r["stopped_early"] else "")
+            baseline = f"{b['test']['mcc']:.3f} ({b['choice']})"
+            cells = [f"{t['accuracy']:.3f}", f"{t['mcc']:.3f}", baseline, f"{margin:+.3f}", f"{t['auroc']:.3f}", wall]
+            rows.append([arm, f"`{r['flags']}`", stop, *cells])
+        cols = ["arm", "flags", "best step", "test accuracy", "test MCC", "k-mer baseline test MCC", "margin",
+                "test AUROC", "wall s"]  # fmt: skip
+        lines += harness.table(cols, rows) + [""]
+    lines += [
+        "The k-mer baseline is the same in every arm of a task (the same windows, fitted on the training split and "
+        "chosen on validation by MCC); margin: the model's test MCC minus the baseline's. wall s: the finetune "
+        "command's, start-up, evaluations and the test included, on 2 cores shared with whatever else ran (load "
+        "before and after in the JSON): compare within a row's own load only.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--model", default="runs/tiny", help="the pretrained run or export directory")
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--work", default="/tmp/finetune_recipes")
+    ap.add_argument("--budget_minutes", type=float, default=40)
+    ap.add_argument("--out", default=str(OUT), help="results path, no suffix")
+    ap.add_argument("--render_only", action="store_true", help="rewrite the .md from the .json")
+    args = ap.parse_args(harness.argv_of(argv))
+    out = pathlib.Path(args.out)
+    previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else None
+    if args.render_only:
+        harness.write_text(out.with_suffix(".md"), markdown(previous))
+        return 0
+    os.chdir(harness.REPO)
+    model = os.path.abspath(args.model)
+    if not os.path.exists(os.path.join(model, "config.yaml")) and not os.path.exists(
+        os.path.join(model, "megagenome.json")
+    ):
+        print(f"finetune_recipes: --model {args.model}: no run or export there; train the default job first "
+              "(bash launch/local.sh --config configs/tiny.yaml)", file=sys.stderr)  # fmt: skip
+        return 2
+    meta = {"date": harness.today(), "command": harness.command("finetune_recipes.py", harness.argv_of(argv)),
+            "hardware": harness.hardware(), "software": harness.software()}  # fmt: skip
+    keep = previous if previous and previous.get("model") == model else {"results": {}}
+    record = {"meta": meta, "model": model, "results": keep["results"]}
+    deadline = time.monotonic() + 60 * args.budget_minutes
+    for task in args.tasks:
+        for arm in args.arms:
+            done = record["results"].get(task, {}).get(arm)
+            if done and "failed" not in done:
+                continue
+            if time.monotonic() > deadline:
+                print(f"finetune_recipes: budget spent; {task}/{arm} and later arms next time", flush=True)
+                break
+            record["results"].setdefault(task, {})[arm] = run_arm(model, task, arm, args.work)
+            harness.write_results(out.parent, out.name, record, markdown(record))
+    harness.write_results(out.parent, out.name, record, markdown(record))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
