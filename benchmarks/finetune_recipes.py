@@ -111,14 +111,15 @@ def markdown(record: dict) -> str:
         rows = []
         for arm, r in arms.items():
             if "failed" in r:
-                rows.append([arm, ARMS.get(arm, "?"), r["failed"], *["-"] * 6])
+                rows.append([arm, f"`{' '.join(ARMS.get(arm, []))}`", r["failed"], *["-"] * 6])
                 continue
-            t, b = r["test"], r["baseline"]
-            margin = t["mcc"] - b["test"]["mcc"]
+            t, b = r["test"], r["baseline"].get("test") or {}
+            both = t.get("mcc") is not None and b.get("mcc") is not None
+            margin = f"{t['mcc'] - b['mcc']:+.3f}" if both else "-"
             wall = f"{r['wall_s']:.0f}" if r.get("wall_s") else "-"
             stop = f"{r['best_step']} of {r['last_step']}" + (" (early stop)" if r["stopped_early"] else "")
-            baseline = f"{b['test']['mcc']:.3f} ({b['choice']})"
-            cells = [f"{t['accuracy']:.3f}", f"{t['mcc']:.3f}", baseline, f"{margin:+.3f}", f"{t['auroc']:.3f}", wall]
+            baseline = f"{_num(b.get('mcc'))} ({r['baseline'].get('choice', 'failed')})"
+            cells = [_num(t.get("accuracy")), _num(t.get("mcc")), baseline, margin, _num(t.get("auroc")), wall]
             rows.append([arm, f"`{r['flags']}`", stop, *cells])
         cols = ["arm", "flags", "best step", "test accuracy", "test MCC", "k-mer baseline test MCC", "margin",
                 "test AUROC", "wall s"]  # fmt: skip
@@ -131,6 +132,10 @@ def markdown(record: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main(argv=None) -> int:
@@ -146,6 +151,9 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else None
     if args.render_only:
+        if previous is None:
+            print(f"finetune_recipes: --render_only: no {out.with_suffix('.json')} to render", file=sys.stderr)
+            return 2
         harness.write_text(out.with_suffix(".md"), markdown(previous))
         return 0
     os.chdir(harness.REPO)

@@ -254,6 +254,7 @@ def _cfg(tuned, trained, **sections) -> dict:
         ({"model": {"layer": 7}}, "--model.layer=7"),
         ({"data": {"task": "regression"}}, "--data.benchmark holds class folders"),
         ({"model": {"lora": True, "freeze_backbone": True}}, "--model.lora and --model.freeze_backbone"),
+        ({"model": {"init": "random", "freeze_backbone": True}}, "--model.init random with --model.freeze_backbone"),
         ({"model": {"pretrained": "/nonexistent"}}, "--model.pretrained=/nonexistent"),
     ],
 )

@@ -15,7 +15,7 @@ from megagenome.config import DataConfig
 from megagenome.data import masked_baseline
 from megagenome.data.dataset import build_genome_data
 from megagenome.data.masking import mask_window, mask_windows
-from megagenome.data.tokenizer import A_ID, N_ID, reverse_complement
+from megagenome.data.tokenizer import A_ID, N_ID, encode, reverse_complement
 
 BASES = "ACGT"
 
@@ -26,7 +26,7 @@ def _symbol(token: int) -> str:
 
 def reference(train, heldout, window, probability, seed, ks, passes, both_strands, alpha=0.5):
     """The module docstring's rule in plain Python: windows of `window` bases, masked pass by pass with the generator
-    [seed, 4, pass] in blocks of 4096 windows; (context string, base) counted in a dictionary, where the context is
+    [seed, 4, pass] in blocks of BLOCK_BASES bases; (context string, base) counted in a dictionary, where the context is
     the 2k + 1 input symbols around a selected base and "." stands for no base or outside the window."""
     counts = {k: Counter() for k in ks}
     strands = [s for t in train for s in ((t, reverse_complement(t)) if both_strands else (t,))]
@@ -37,8 +37,9 @@ def reference(train, heldout, window, probability, seed, ks, passes, both_strand
             padded = np.full(rows * window, N_ID, dtype=np.uint8)
             padded[: tokens.size] = tokens
             block = padded.reshape(rows, window)
-            for start in range(0, rows, 4096):
-                inputs, chosen = mask_windows(block[start : start + 4096], probability, rng)
+            step = masked_baseline.BLOCK_BASES // window
+            for start in range(0, rows, step):
+                inputs, chosen = mask_windows(block[start : start + step], probability, rng)
                 for r, c in zip(*np.nonzero(chosen)):
                     base = _symbol(int(block[start + r, c]))
                     if base != ".":
@@ -121,6 +122,18 @@ def test_two_sided_context_finds_a_base_its_neighbours_fix():
     odd = fit([heldout])
     assert bits[0] == pytest.approx(1.91, abs=0.01) and odd[0] == pytest.approx(1.91, abs=0.01), (bits, odd)
     assert odd[1] == pytest.approx(1.0, abs=0.05) and bits[1] == pytest.approx(1.6, abs=0.05), (bits, odd)
+
+
+def test_the_masking_draws_as_before_the_rule_moved():
+    """data/masking.py took BERT's masking out of data/dataset.py: one window with one seed gives what the earlier
+    code gave (its outputs, recorded at commit fd41d99), so mlm training and evaluation batches are unchanged."""
+    tokens = encode("ACGTNACGGTTACCAGTNNACGTA")[0]
+    inputs, labels, weight = mask_window(
+        tokens, np.ones(tokens.size, np.float32), 0.3, np.random.default_rng([1234, 2, 5])
+    )
+    assert inputs.tolist() == [3, 4, 1, 6, 7, 3, 4, 5, 1, 1, 6, 3, 1, 4, 3, 5, 1, 7, 7, 1, 1, 5, 6, 3]
+    assert labels.tolist() == [3, 0, 5, 0, 0, 0, 0, 0, 5, 6, 0, 0, 4, 0, 3, 0, 6, 0, 0, 3, 4, 0, 0, 0]
+    assert weight.tolist() == [float(v) for v in labels != 0]
 
 
 def test_rejects_what_it_cannot_fit():

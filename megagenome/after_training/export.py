@@ -87,6 +87,9 @@ def main(ns) -> int:
         flag = "--output " if e.filename and os.path.abspath(str(e.filename)).startswith(beside + os.sep) else ""
         print(f"{PROG}: error: {flag}{describe_os_error(e)}", file=sys.stderr)
         return 2
+    except ImportError as e:  # torchao installed but not importable (a torch it was not built for)
+        print(f"{PROG}: error: --quantize int8: torchao does not import: {e}", file=sys.stderr)
+        return 2
     source = manifest["source"]
     print(f"megagenome: exported {source['checkpoint']} (step {source['step']}) to {ns.output}")
     if manifest["huggingface"]:

@@ -186,6 +186,10 @@ def finetune_problems(cfg: FinetuneConfig) -> list[str]:
     out = []
     if not m.pretrained:
         out.append("--model.pretrained: give the pretraining run or export directory to fine-tune")
+    if m.init == "random" and (m.lora or m.freeze_backbone):
+        which = "--model.lora" if m.lora else "--model.freeze_backbone"
+        out.append(f"--model.init random with {which}: the from-scratch control trains every weight of the backbone "
+                   "(a frozen or adapted random backbone is not one); drop one of them")  # fmt: skip
     if bool(d.benchmark) == bool(d.train_bed):
         out.append("--data.benchmark or --data.train_bed (with --data.fasta): give exactly one")
     if d.train_bed and not d.fasta:

@@ -35,7 +35,7 @@ from megagenome.data.tokenizer import A_ID, C_ID, G_ID, N_ID, T_ID, VOCAB_SIZE, 
 MAX_K = 4  # 5^9 contexts x 4 bases; k = 5 would need 195M counts
 NO_BASE = 4  # the fifth input symbol: <mask>, N, a separator, outside the window
 RNG_MASKED_BASELINE = 4  # second word of its seed; data/sampler.py and data/dataset.py use 0-3
-_ROWS_PER_BLOCK = 4096
+BLOCK_BASES = 1 << 22  # bases masked at once (4,096 windows of 1,024), and (context, base) codes counted at once
 _SYMBOL = np.full(VOCAB_SIZE, NO_BASE, dtype=np.int64)
 _SYMBOL[[A_ID, C_ID, G_ID, T_ID]] = [0, 1, 2, 3]
 _TARGET = np.full(VOCAB_SIZE, -1, dtype=np.int64)
@@ -67,22 +67,37 @@ def fit_counts(
     train: Sequence[np.ndarray], window: int, probability: float, seed: int, ks: Sequence[int], both_strands: bool,
     passes: int | None = None,
 ) -> dict[int, np.ndarray]:  # fmt: skip
-    """{k: counts (5^(2k+1) contexts x 4 bases)} of the masked training windows (module docstring)."""
+    """{k: counts (5^(2k+1) contexts x 4 bases)} of the masked training windows (module docstring). Each pass masks
+    the regions in order, strand by strand, in blocks of up to BLOCK_BASES bases (whole windows) from one generator;
+    the (context, base) codes are counted in batches, so many small regions cost no more than one large one."""
     passes = passes or max(1, round(1 / probability))
     counts = {k: np.zeros(5 ** (2 * k + 1) * 4, dtype=np.int64) for k in ks}
-    strands = [t for tokens in train for t in ((tokens, reverse_complement(tokens)) if both_strands else (tokens,))]
+    pending: dict[int, list[np.ndarray]] = {k: [] for k in ks}
+    rows_per_block = max(1, BLOCK_BASES // window)
+
+    def flush() -> None:
+        for k, codes in pending.items():
+            if codes:
+                counts[k] += np.bincount(np.concatenate(codes), minlength=counts[k].size)
+                codes.clear()
+
     for p in range(passes):
         rng = np.random.default_rng([seed, RNG_MASKED_BASELINE, p])
-        for tokens in strands:
-            rows = _windows(np.asarray(tokens, dtype=np.uint8), window)
-            for start in range(0, rows.shape[0], _ROWS_PER_BLOCK):
-                block = rows[start : start + _ROWS_PER_BLOCK]
-                inputs, chosen = mask_windows(block, probability, rng)
-                target = _TARGET[block]
-                r, c = np.nonzero(chosen & (target >= 0))
-                for k, code in _codes(inputs, r, c, max(ks)):
-                    if k in counts:
-                        counts[k] += np.bincount(code * 4 + target[r, c], minlength=counts[k].size)
+        for tokens in train:
+            tokens = np.asarray(tokens, dtype=np.uint8)
+            for strand in (tokens, reverse_complement(tokens)) if both_strands else (tokens,):
+                rows = _windows(strand, window)
+                for start in range(0, rows.shape[0], rows_per_block):
+                    block = rows[start : start + rows_per_block]
+                    inputs, chosen = mask_windows(block, probability, rng)
+                    target = _TARGET[block]
+                    r, c = np.nonzero(chosen & (target >= 0))
+                    for k, code in _codes(inputs, r, c, max(ks)):
+                        if k in counts:
+                            pending[k].append(code * 4 + target[r, c])
+                    if sum(len(x) for x in pending[max(ks)]) >= BLOCK_BASES:
+                        flush()
+    flush()
     return counts
 
 

@@ -312,19 +312,30 @@ def _test(engine, cfg, root: str, rank: int, stopping: EarlyStopping, evaluator,
     if best is not None:
         checkpoint.load(engine, os.path.join(root, checkpoint.tag_for(best)), rank, restore_rng=False)
     summary = {"best_step": best, "metric": stopping.metric, "best_value": stopping.best}
-    baseline = task_baseline.fit(evaluator.data, stopping.metric) if rank == 0 else None
+    outputs = {}
     for split in ("validation", "test"):
-        if not evaluator.data.splits[split]:
-            continue
-        metrics, predictions = evaluator.metrics(split)
-        writer.write({"step": best or 0, "split": f"{split}_best", **metrics})
-        summary[split] = metrics
-        if rank == 0:
-            path = os.path.join(cfg.log.run_dir, f"predictions_{split}.tsv")
-            task_eval.write_predictions(path, evaluator.data, split, predictions, baseline["outputs"][split])
-    if baseline is not None:
-        summary["baseline"] = {k: v for k, v in baseline.items() if k != "outputs"}
+        if evaluator.data.splits[split]:  # every rank: the evaluation is collective
+            summary[split], outputs[split] = evaluator.metrics(split)
+            writer.write({"step": best or 0, "split": f"{split}_best", **summary[split]})
+    if rank != 0:
+        return summary
+    baseline = _baseline(evaluator.data, stopping.metric)  # rank 0 alone, after the last collective
+    for split, predictions in outputs.items():
+        path = os.path.join(cfg.log.run_dir, f"predictions_{split}.tsv")
+        theirs = baseline["outputs"][split] if "outputs" in baseline else None
+        task_eval.write_predictions(path, evaluator.data, split, predictions, theirs)
+    summary["baseline"] = {k: v for k, v in baseline.items() if k != "outputs"}
     return summary
+
+
+def _baseline(data, metric: str) -> dict:
+    """The k-mer baseline (run/task_baseline.py), or {"failed": why}: a baseline that cannot be fitted never costs
+    the run its summary."""
+    try:
+        return task_baseline.fit(data, metric)
+    except Exception as e:  # sklearn on data it cannot fit, memory: said in the summary, the run's results kept
+        print(f"megagenome finetune: the k-mer baseline could not be fitted: {type(e).__name__}: {e}", file=sys.stderr)
+        return {"failed": f"{type(e).__name__}: {e}"}
 
 
 def _print_summary(cfg: FinetuneConfig, summary: dict) -> None:
@@ -340,10 +351,10 @@ def _print_summary(cfg: FinetuneConfig, summary: dict) -> None:
     baseline, metric = summary.get("baseline"), summary["metric"]
     if baseline and baseline.get(split):
         model, theirs = test.get(metric), baseline[split].get(metric)
-        value = f"{theirs:.4f}" if theirs is not None else "undefined"
+        shown = [f"{v:.4f}" if v is not None else "undefined" for v in (model, theirs)]
         print(
-            f"megagenome finetune: {split} {metric} {model if model is None else f'{model:.4f}'}, k-mer baseline "
-            f"({baseline['choice']}: {baseline['name']}, chosen on validation {metric}) {value}: the model is "
+            f"megagenome finetune: {split} {metric} {shown[0]}, k-mer baseline ({baseline['choice']}: "
+            f"{baseline['name']}, chosen on validation {baseline['metric']}) {shown[1]}: the model is "
             f"{task_baseline.compared(model, theirs, metric)}",
             file=sys.stderr,
         )

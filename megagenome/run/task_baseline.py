@@ -15,7 +15,10 @@ the predictions files and `megagenome report`.
                     (Krichevsky-Trofimov); a context holding N, or running past the sequence, falls back to the
                     class frequencies
 
-Fitting takes seconds on tasks of thousands of examples (one lbfgs fit per (k, C) pair).
+The composition models are fitted on at most MAX_TRAIN training examples (a seeded sample beyond that; the
+validation and test splits are always scored whole), 18 fits of up to 4^6 features: seconds on thousands of
+examples, about a minute at the cap. If none of the choices has a defined validation metric (an AUROC with a class
+missing), the validation loss chooses, and "metric" says so.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from megagenome.run.task_eval import score
 KS = range(1, 7)  # composition k-mers; 4^6 = 4096 features
 HALF_WIDTHS = range(4)  # per-base contexts of 1, 3, 5 and 7 bases
 C_GRID = (0.01, 0.1, 1.0)
+MAX_TRAIN = 10_000  # composition fits: a seeded sample of the training examples beyond this
 _BASE4 = np.full(VOCAB_SIZE, -1, dtype=np.int64)
 _BASE4[[A_ID, C_ID, G_ID, T_ID]] = [0, 1, 2, 3]
 SPLITS = ("validation", "test")
@@ -67,11 +71,14 @@ def fit(data: TaskData, metric: str) -> dict:
         candidates = _composition_fits(data)
         name = "k-mer composition, " + ("ridge regression" if data.task == "regression" else "logistic regression")
     std = target_scale(data)[1] if data.task == "regression" else 1.0
+    std = std if std > 0 else 1.0  # as the model's head takes it (model/heads.py set_target_scale)
     scored = {
         choice: {split: score(data.task, data.splits[split], outputs[split], std) for split in SPLITS if
                  data.splits[split]}
         for choice, outputs in candidates.items()
     }  # fmt: skip
+    if all(s["validation"][metric] is None for s in scored.values()):
+        metric = "loss"  # the run's metric is undefined on this validation split for every choice
     sign = 1 if HIGHER_IS_BETTER[metric] else -1
     by_choice = {choice: s["validation"][metric] for choice, s in scored.items()}
     best = max(by_choice, key=lambda c: -np.inf if by_choice[c] is None else sign * by_choice[c])
@@ -92,10 +99,14 @@ def _composition_fits(data: TaskData) -> dict[str, dict[str, list]]:
 
     regression = data.task == "regression"
     train = data.splits["train"]
+    if len(train) > MAX_TRAIN:
+        keep = np.sort(np.random.default_rng(0).choice(len(train), MAX_TRAIN, replace=False))
+        train = [train[i] for i in keep]
     y = np.array([float(e.label) if regression else int(e.label) for e in train])
     out = {}
     for k in KS:
-        features = {s: composition([e.sequence for e in data.splits[s]], k) for s in ("train", *SPLITS)}
+        features = {s: composition([e.sequence for e in (train if s == "train" else data.splits[s])], k)
+                    for s in ("train", *SPLITS)}  # fmt: skip
         scaler = StandardScaler().fit(features["train"])
         scaled = {s: scaler.transform(f) if len(f) else f for s, f in features.items()}
         for c in C_GRID:
