@@ -138,6 +138,26 @@ def test_from_scratch_is_the_same_architecture_from_random_weights(tuned, traine
     assert train_losses(run)[0] != train_losses(tuned / "zero0")[0] and summary(run)["baseline"]["test"]
 
 
+def test_the_head_has_its_own_learning_rate(tuned, trained):
+    """--train.head_lr_scale: the head's parameters (and only they) in groups of their own at that multiple of the
+    peak learning rate DeepSpeed's AdamW uses; every trainable parameter in exactly one group."""
+    from megagenome.model.heads import param_groups
+
+    raw = _cfg(tuned, trained, train={"lr": 2e-4, "head_lr_scale": 10.0})
+    prepared = finetune.validate(finetune_config_from_dict(raw), [])
+    model = finetune.build(prepared, {})
+    groups = param_groups(model, 0.01, head_lr=2e-3)
+    head = {id(p) for p in model.head.parameters()}
+    assert {id(p) for g in groups if "lr" in g for p in g["params"]} == head
+    assert all(g["lr"] == 2e-3 for g in groups if "lr" in g)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert len(param_groups(model, 0.01)) == 2  # no scale: the two groups as before
+    bad = _cfg(tuned, trained, train={"head_lr_scale": 0.0})
+    with pytest.raises(ConfigError, match="--train.head_lr_scale=0.0 must be positive"):
+        finetune.validate(finetune_config_from_dict(bad), [])
+
+
 def test_lora_merged_equals_adapter(tuned):
     """The LoRA run's best checkpoint as peft's adapter model and merged into the backbone give the same
     probabilities (fp32); the adapters moved the weights away from the pretrained ones."""
@@ -201,6 +221,8 @@ def test_regression_and_per_base(tuned):
     assert lines[0] == "name\tlabels\tpredicted\tbaseline_predicted" and len(lines[1].split("\t")[1]) == 64
     assert len(lines[1].split("\t")[3]) == 64  # the k-mer context model's class of every base
     assert reg["baseline"]["name"] == "k-mer composition, ridge regression" and reg["baseline"]["metric"] == "spearman"
+    ds_lr = json.loads((tuned / "regression" / "ds_config.json").read_text())["optimizer"]["params"]["lr"]
+    assert ds_lr == 1e-3  # the backbone's peak in the JSON; the head's groups carry 10x (test_the_head_has_its_own_...)
     assert pb["baseline"]["name"].startswith("position-wise") and pb["baseline"]["choice"] in (
         "k=1",
         "k=3",

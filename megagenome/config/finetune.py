@@ -110,6 +110,9 @@ class TaskTrainConfig:
     """Stop this invocation after this step with a checkpoint (a later invocation resumes); default: max_steps."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
+    head_lr_scale: float = 1.0
+    """The head's peak learning rate as a multiple of --train.lr (the schedule scales both alike): the head starts
+    from random weights where the backbone is pretrained."""
     min_lr: float = 0.0
     """Learning rate at the end of the schedule."""
     warmup_steps: int | None = None
@@ -234,6 +237,8 @@ def finetune_problems(cfg: FinetuneConfig) -> list[str]:
         out.append(f"--train.warmup_steps={t.warmup_steps} must be in 0..--train.max_steps={t.max_steps}")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         out.append(f"--train.lr={t.lr} and --train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0")
+    if t.head_lr_scale <= 0:
+        out.append(f"--train.head_lr_scale={t.head_lr_scale} must be positive")
     if m.lora and m.freeze_backbone:
         out.append("--model.lora and --model.freeze_backbone: LoRA already freezes the backbone's weights; pick one")
     if not 0.0 <= m.head_dropout < 1.0 or not 0.0 <= m.lora_dropout < 1.0:

@@ -105,12 +105,20 @@ def pool(x: torch.Tensor, lengths: torch.Tensor, how: str) -> torch.Tensor:
     return (x * valid[..., None]).sum(1) / lengths[:, None].to(x.dtype)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """The trainable parameters in two groups: matrices decayed, vectors (biases, norms, gains) not. Parameters
-    with requires_grad False (a frozen backbone, LoRA's base weights) are left out."""
-    decay, plain = [], []
+def param_groups(model: nn.Module, weight_decay: float, head_lr: float | None = None) -> list[dict]:
+    """The trainable parameters in two groups: matrices decayed, vectors (biases, norms, gains) not; with head_lr,
+    the head's in two more at that peak learning rate (the others take the optimizer's). Parameters with
+    requires_grad False (a frozen backbone, LoRA's base weights) are left out."""
+    head = {id(p) for p in model.head.parameters()} if head_lr is not None else set()
+    decay, plain, head_decay, head_plain = [], [], [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else plain).append(p)
+            if id(p) in head:
+                (head_decay if p.ndim >= 2 else head_plain).append(p)
+            else:
+                (decay if p.ndim >= 2 else plain).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    if head_lr is not None:
+        groups += [{"params": head_decay, "weight_decay": weight_decay, "lr": head_lr},
+                   {"params": head_plain, "weight_decay": 0.0, "lr": head_lr}]  # fmt: skip
     return [g for g in groups if g["params"]]

@@ -147,7 +147,9 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
     # Every rank data-parallel, told to DeepSpeed through an mpu of its own: without one, DeepSpeed would take the
     # groups of an earlier engine in the same processes (its module-level mpu) for this one's.
     mpu = ParallelState.build(rank, ParallelLayout(world, zero_stage=ds_config.zero_stage(ds_conf)))
-    groups = param_groups(model, cfg.train.weight_decay)
+    scale = cfg.train.head_lr_scale
+    head_lr = ds_conf["optimizer"]["params"]["lr"] * scale if scale != 1.0 else None  # the peak DeepSpeed's AdamW uses
+    groups = param_groups(model, cfg.train.weight_decay, head_lr)
     engine = ds.initialize(model, groups, ds_conf, mpu=mpu, lr_scheduler=scheduler)
     torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout streams differ across data-parallel ranks
     record = task_record(p, model)

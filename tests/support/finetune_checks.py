@@ -126,7 +126,7 @@ def scenarios(root: pathlib.Path, pretrained: str, paths: dict) -> list[tuple[st
     out.append(("scratch", config(root, "scratch", pretrained, species, ["zero0"], model={"init": "random"})))
     early = {"lr": 1e-9, "min_lr": 1e-9, "eval_interval": 1, "patience": 2}
     out.append(("early", config(root, "early", pretrained, species, ["zero0"], train=early)))
-    out.append(("regression", config(root, "regression", pretrained, gc, ["zero1"])))
+    out.append(("regression", config(root, "regression", pretrained, gc, ["zero1"], train={"head_lr_scale": 10.0})))
     out.append(("per_base", config(root, "per_base", pretrained, per_base, ["zero3"], model={"lora": True})))
     imported = {"lora": True}
     out.append(("lora_evo2_import", config(root, "lora_evo2_import", paths["evo2_import"], species, ["zero2", "bf16"],
