@@ -51,6 +51,8 @@ ARMS = {  # name: flags on top of `megagenome finetune`'s defaults
     "default": [],
     "lr_1e-3": ["--train.lr", "1e-3"],
     "lr_3e-4": ["--train.lr", "3e-4"],
+    "head_x10": ["--train.head_lr_scale", "10"],
+    "lr_3e-4_head_x10": ["--train.lr", "3e-4", "--train.head_lr_scale", "10"],
     "pool_last": ["--model.pooling", "last"],
     "probe": ["--model.freeze_backbone", "true", "--train.lr", "1e-2"],
     "scratch": ["--model.init", "random"],

@@ -1,0 +1,62 @@
+"""benchmarks/finetune_recipes.py's pure parts, without a fine-tuning run: the report rendered from a record as
+--render_only does (a measured arm beside its k-mer baseline, a failed arm, undefined metrics), its refusals, and the
+tasks' leakage rule as written. The experiment itself is its results file's command (an hour on 2 CPU cores)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from support.helpers import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import finetune_recipes as recipes  # noqa: E402
+
+
+def _arm(mcc: float | None, baseline_mcc: float, **over) -> dict:
+    test = {"accuracy": 0.96, "mcc": mcc, "auroc": 0.98, "loss": 0.1, "n": 200}
+    return {"flags": "(none)", "best_step": 800, "last_step": 1000, "stopped_early": False, "test": test,
+            "validation": test, "baseline": {"choice": "k=3, C=0.1", "test": {"mcc": baseline_mcc}}, "wall_s": 819.4,
+            **over}  # fmt: skip
+
+
+def test_the_report_puts_each_arm_beside_its_baseline(tmp_path):
+    meta = {
+        "date": "2026-12-06",
+        "command": "python benchmarks/finetune_recipes.py",
+        "hardware": "cpu",
+        "software": "sw",
+    }
+    record = {"meta": meta, "model": "/r/runs/tiny", "results": {"two_species": {
+        "default": _arm(0.931, 0.950), "lr_1e-3": _arm(0.97, 0.950, flags="--train.lr 1e-3"),
+        "scratch": _arm(None, 0.950), "probe": {"failed": "exit 1: ['boom']"}}}}  # fmt: skip
+    out = tmp_path / "finetune_recipes"
+    (tmp_path / "finetune_recipes.json").write_text(json.dumps(record))
+    assert recipes.main(["--render_only", "--out", str(out)]) == 0
+    md = (tmp_path / "finetune_recipes.md").read_text()
+    assert md == recipes.markdown(record)
+    assert "| default | `(none)` | 800 of 1000 | 0.960 | 0.931 | 0.950 (k=3, C=0.1) | -0.019 | 0.980 | 819 |" in md
+    assert "| lr_1e-3 | `--train.lr 1e-3` | 800 of 1000 | 0.960 | 0.970 | 0.950 (k=3, C=0.1) | +0.020 |" in md
+    assert "| scratch | `(none)` | 800 of 1000 | 0.960 | - | 0.950 (k=3, C=0.1) | - |" in md  # an undefined MCC
+    assert "| probe | `--model.freeze_backbone true --train.lr 1e-2` | exit 1: ['boom'] |" in md
+    assert "## two_species: ecoli, saureus; 512-base windows, 400 training and 100 test per class" in md
+
+
+def test_refusals(tmp_path, capsys):
+    assert recipes.main(["--render_only", "--out", str(tmp_path / "none")]) == 2
+    assert "no " in capsys.readouterr().err
+    assert recipes.main(["--model", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert "train the default job first" in capsys.readouterr().err
+
+
+def test_every_arm_parses_as_finetune_flags_and_the_default_adds_none():
+    from megagenome.config.load import argument_problems, finetune_config, finetune_parser, value_problems
+
+    base = ["--model.pretrained", "runs/tiny", "--data.benchmark", "task"]
+    for arm, flags in recipes.ARMS.items():
+        parser = finetune_parser()
+        assert not argument_problems(parser, base + flags) and not value_problems(parser, base + flags), arm
+        cfg = finetune_config(parser.parse_args(base + flags))
+        assert cfg.model.pretrained == "runs/tiny", arm
+    assert recipes.ARMS["default"] == [] and recipes.ARMS["scratch"] == ["--model.init", "random"]
+    assert set(recipes.TASKS) == {"two_species", "species"}
