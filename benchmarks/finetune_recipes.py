@@ -56,6 +56,7 @@ ARMS = {  # name: flags on top of `megagenome finetune`'s defaults
     "pool_last": ["--model.pooling", "last"],
     "probe": ["--model.freeze_backbone", "true", "--train.lr", "1e-2"],
     "scratch": ["--model.init", "random"],
+    "scratch_lr_1e-3": ["--model.init", "random", "--train.lr", "1e-3"],
 }
 OUT = harness.RESULTS / "finetune_recipes"
 
