@@ -282,3 +282,25 @@ def test_a_directory_without_metrics_is_an_error(tmp_path, capsys):
     assert report.main(SimpleNamespace(run=str(tmp_path), output=None)) == 2
     assert "has no rows yet" in capsys.readouterr().err
     assert not (tmp_path / "report").exists()
+
+
+def test_a_fine_tuning_report_shows_its_baseline_or_why_there_is_none():
+    """observe/task_report.py: the k-mer baseline's rows under the model's, what chose it, a from-scratch run said to
+    be one; a baseline that could not be fitted is one line, not a failed report."""
+    from megagenome.observe import task_report
+
+    task = {"task": "classification", "classes": ["a", "b"], "layer": -1, "pooling": "mean", "init": "random",
+            "pretrained": {"path": "runs/tiny", "model": {"n_layer": 2, "d_model": 32}},
+            "data": {"sizes": {"train": 80, "validation": 20}}}  # fmt: skip
+    metrics = {"loss": 0.2, "accuracy": 0.9, "mcc": 0.8, "auroc": 0.95, "n": 20}
+    baseline = {"name": "k-mer composition, logistic regression", "choice": "k=3, C=0.1", "metric": "mcc",
+                "validation": {**metrics, "mcc": 0.7}}  # fmt: skip
+    summary = {"best_step": 5, "metric": "mcc", "validation": metrics, "baseline": baseline}
+    md = task_report.markdown(report.RunRecords("r", [], summary, {}), task, {}, {})
+    assert "| validation | 20 | 0.2000 | 0.9000 | 0.8000 |" in md
+    assert "| validation, k-mer baseline | 20 | 0.2000 | 0.9000 | 0.7000 |" in md
+    assert "The k-mer baseline: k-mer composition, logistic regression, k=3, C=0.1 chosen on validation mcc" in md
+    assert "from random weights (--model.init random: the from-scratch control)" in md
+    failed = {**summary, "baseline": {"failed": "MemoryError: too big"}}
+    md = task_report.markdown(report.RunRecords("r", [], failed, {}), task, {}, {})
+    assert "The k-mer baseline could not be fitted: MemoryError: too big" in md and "k-mer baseline |" not in md

@@ -90,9 +90,11 @@ def markdown(records: RunRecords, task: dict, drawn: dict[str, str], skipped: di
         for split, m in rows:
             cells = [f"{m[k]:.4f}" if isinstance(m.get(k), float) else "-" for k in keys]
             lines.append(f"| {split} | {m.get('n', '-')} | " + " | ".join(cells) + " |")
-        if baseline:
+        if baseline.get("name"):
             lines += ["", f"The k-mer baseline: {baseline['name']}, {baseline['choice']} chosen on validation "
                       f"{baseline['metric']}, fitted on the same training split (run/task_baseline.py)."]  # fmt: skip
+        elif baseline.get("failed"):
+            lines += ["", f"The k-mer baseline could not be fitted: {baseline['failed']}"]
     else:
         lines += ["", "The run has not finished: no summary.json with the best checkpoint's metrics yet."]
     lines += ["", "## Plots", ""]
