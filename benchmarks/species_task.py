@@ -16,7 +16,6 @@ MCC and macro one-vs-rest AUROC of the best validation checkpoint. Writes benchm
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -61,16 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def kmer_features(sequences: list[str], k: int = 4) -> np.ndarray:
-    """(N, 4^k) k-mer frequencies of each sequence (k-mers with N skipped)."""
-    index = {"".join(p): i for i, p in enumerate(itertools.product("ACGT", repeat=k))}
-    out = np.zeros((len(sequences), len(index)), dtype=np.float64)
-    for row, s in enumerate(sequences):
-        for i in range(len(s) - k + 1):
-            j = index.get(s[i : i + k])
-            if j is not None:
-                out[row, j] += 1
-        out[row] /= max(out[row].sum(), 1.0)
-    return out
+    """(N, 4^k) k-mer frequencies of each sequence (k-mers with N skipped): the fine-tuning baseline's features."""
+    from megagenome.run.task_baseline import composition
+
+    return composition(sequences, k)
 
 
 def kmer_baseline(data, seed: int) -> dict:
