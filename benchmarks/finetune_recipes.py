@@ -28,6 +28,7 @@ whose run directory under --work holds a summary.json is read, not run again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -57,8 +58,33 @@ ARMS = {  # name: flags on top of `megagenome finetune`'s defaults
     "probe": ["--model.freeze_backbone", "true", "--train.lr", "1e-2"],
     "scratch": ["--model.init", "random"],
     "scratch_lr_1e-3": ["--model.init", "random", "--train.lr", "1e-3"],
+    "lr_1e-3_rc": ["--train.lr", "1e-3", "--data.rc_prob", "0.5"],
+    "lr_1e-3_head_x10": ["--train.lr", "1e-3", "--train.head_lr_scale", "10"],
+    "scratch_lr_1e-3_rc": ["--model.init", "random", "--train.lr", "1e-3", "--data.rc_prob", "0.5"],
 }
 OUT = harness.RESULTS / "finetune_recipes"
+
+
+def model_identity(model: str) -> dict:
+    """What tells one pretrained model from another at the same path (a run retrained on another machine differs in
+    its last digits): its held-out bits/base and step (a run directory) or its weights file's sha256 (an export
+    directory). Earlier arms are kept only for the same identity."""
+    summary = os.path.join(model, "summary.json")
+    if os.path.exists(summary):
+        with open(summary, encoding="utf-8") as fh:
+            s = json.load(fh)
+        return {"steps": s.get("steps"), "heldout_bits_per_base": s.get("heldout_bits_per_base")}
+    digest = hashlib.sha256()
+    with open(os.path.join(model, "model.safetensors"), "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return {"export": digest.hexdigest()}
+
+
+def kept(previous: dict | None, model: str, identity: dict) -> dict:
+    """The arms an earlier invocation measured on this very model (its path and identity), else none."""
+    same = previous and previous.get("model") == model and previous.get("model_identity") == identity
+    return previous["results"] if same else {}
 
 
 def build_task(name: str, work: str) -> str:
@@ -106,7 +132,7 @@ def run_arm(model: str, task: str, arm: str, work: str) -> dict:
 
 def markdown(record: dict) -> str:
     lines = ["# Fine-tuning recipes against the k-mer baseline", "", *harness.header(record["meta"]),
-             f"- pretrained model: `{record['model']}`", ""]  # fmt: skip
+             f"- pretrained model: `{record['model']}` ({_identity(record.get('model_identity'))})", ""]  # fmt: skip
     for task, arms in record["results"].items():
         species, window, train, test = TASKS[task]
         lines += [f"## {task}: {', '.join(species)}; {window}-base windows, {train} training and {test} test per class",
@@ -135,6 +161,14 @@ def markdown(record: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _identity(identity: dict | None) -> str:
+    if not identity:
+        return "identity not recorded"
+    if "heldout_bits_per_base" in identity:
+        return f"{identity['steps']} steps, held-out {identity['heldout_bits_per_base']:.4f} bits/base"
+    return f"export weights sha256 {str(identity.get('export'))[:12]}"
 
 
 def _num(value) -> str:
@@ -169,8 +203,8 @@ def main(argv=None) -> int:
         return 2
     meta = {"date": harness.today(), "command": harness.command("finetune_recipes.py", harness.argv_of(argv)),
             "hardware": harness.hardware(), "software": harness.software()}  # fmt: skip
-    keep = previous if previous and previous.get("model") == model else {"results": {}}
-    record = {"meta": meta, "model": model, "results": keep["results"]}
+    identity = model_identity(model)
+    record = {"meta": meta, "model": model, "model_identity": identity, "results": kept(previous, model, identity)}
     deadline = time.monotonic() + 60 * args.budget_minutes
     for task in args.tasks:
         for arm in args.arms:

@@ -60,3 +60,22 @@ def test_every_arm_parses_as_finetune_flags_and_the_default_adds_none():
         assert cfg.model.pretrained == "runs/tiny", arm
     assert recipes.ARMS["default"] == [] and recipes.ARMS["scratch"] == ["--model.init", "random"]
     assert set(recipes.TASKS) == {"two_species", "species"}
+
+
+def test_arms_of_another_model_at_the_same_path_are_not_kept(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"steps": 600, "heldout_bits_per_base": 1.8752}))
+    identity = recipes.model_identity(str(run))
+    assert identity == {"steps": 600, "heldout_bits_per_base": 1.8752}
+    previous = {"model": str(run), "model_identity": identity, "results": {"species": {"default": _arm(0.4, 0.5)}}}
+    assert recipes.kept(previous, str(run), identity) == previous["results"]
+    retrained = {"steps": 600, "heldout_bits_per_base": 1.8763}
+    assert recipes.kept(previous, str(run), retrained) == {}
+    assert recipes.kept({**previous, "model_identity": None}, str(run), identity) == {}  # recorded before identities
+    assert recipes.kept(previous, str(tmp_path / "other"), identity) == {}
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights")
+    digest = "9a129038d9a00aed0cf6a7ea059ca50a813449061ab87848cf1a13eafdf33b2c"  # sha256 of b"weights"
+    assert recipes.model_identity(str(export)) == {"export": digest}
