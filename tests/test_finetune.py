@@ -234,6 +234,62 @@ def test_regression_and_per_base(tuned):
     assert weights.record["lora"] and not any("lora" in k for k in weights.backbone)
 
 
+def test_unset_layer_and_pooling_are_chosen_by_linear_probes(tuned, capsys):
+    """--model.layer and --model.pooling left unset (the regression run, 2 ranks): before training, a ridge probe of
+    each candidate (the final norm and every block, each pooled 3 ways) is fitted on the pretrained backbone's
+    training features and scored on validation. Recomputed here in one process with scikit-learn from layer_states,
+    the probes' Spearman values are the run's; the run trained and recorded the best one, which a resumed invocation
+    reuses; the console names it. The per-base run chose through LoRA under ZeRO-3, a layer only."""
+    import scipy.stats
+    import yaml
+    from sklearn.linear_model import Ridge
+    from sklearn.preprocessing import StandardScaler
+
+    from megagenome.model.heads import pool
+    from megagenome.run import task_probe
+
+    run = tuned / "regression"
+    record, s = json.loads((run / "task.json").read_text()), summary(run)
+    choice = record["head_input"]
+    assert s["head_input"] == choice and (record["layer"], record["pooling"]) == (choice["layer"], choice["pooling"])
+    raw = yaml.safe_load((run / "config.yaml").read_text())  # the layer and pooling chosen, as the run trained
+    prepared = finetune.validate(finetune_config_from_dict(raw), [])
+    pairs = task_probe.candidates(prepared.model_cfg.n_layer, "regression", None, None)
+    assert list(choice["by_choice"]) == [task_probe.label(n, how, "regression") for n, how in pairs]
+    assert len(pairs) == 3 * (prepared.model_cfg.n_layer + 1) and choice["metric"] == "spearman"
+    backbone = finetune.build(prepared, {}).backbone.eval()
+    splits = {k: prepared.data.splits[k] for k in ("train", "validation")}
+    features, labels = {}, {}
+    with torch.no_grad():
+        for split, examples in splits.items():
+            batch = collate(examples, "regression")
+            states = backbone.layer_states(batch["input_ids"], sorted({n for n, _ in pairs}))
+            features[split] = {pair: pool(states[pair[0]].float(), batch["lengths"], pair[1]).numpy() for pair in pairs}
+            labels[split] = np.array([float(e.label) for e in examples])
+    for pair in pairs:
+        scaler = StandardScaler().fit(features["train"][pair])
+        ridge = Ridge(alpha=1.0).fit(scaler.transform(features["train"][pair]), labels["train"])
+        predicted = ridge.predict(scaler.transform(features["validation"][pair]))
+        expected = scipy.stats.spearmanr(labels["validation"], predicted).statistic
+        assert choice["by_choice"][task_probe.label(*pair, "regression")] == pytest.approx(expected, abs=1e-6), pair
+    assert choice["by_choice"][task_probe.label(choice["layer"], choice["pooling"], "regression")] == max(
+        choice["by_choice"].values()
+    )
+    cfg = finetune_config_from_dict(raw)
+    assert finetune._earlier_choice(cfg) == choice  # what a resumed invocation trains with
+    fresh = finetune_config_from_dict({**raw, "checkpoint": {**raw.get("checkpoint", {}), "resume": "none"}})
+    assert finetune._earlier_choice(fresh) is None
+    finetune._print_summary(
+        SimpleNamespace(log=SimpleNamespace(run_dir="r"), data=SimpleNamespace(task="regression")), s
+    )
+    line = [x for x in capsys.readouterr().err.splitlines() if "linear probes" in x][0]
+    shown = task_probe.label(choice["layer"], choice["pooling"], "regression")
+    assert line.startswith(f"megagenome finetune: the head read {shown}, chosen before training by linear probes")
+    pb = json.loads((tuned / "per_base" / "task.json").read_text())["head_input"]
+    assert list(pb["by_choice"]) == ["final norm", *(f"block {i}" for i in range(prepared.model_cfg.n_layer, 0, -1))]
+    assert all(v is not None for v in pb["by_choice"].values())
+
+
 def test_tensorboard_and_report(tuned, tmp_path):
     run = tuned / "regression"
     scalars = read_tensorboard(str(run / "tensorboard"))

@@ -72,7 +72,7 @@ SEAMS = {
         "after_training/importing",  # reads published checkpoints (megagenome import)
     },
     "peft": {"model/lora"},  # LoRA adapters of `finetune`
-    "sklearn": {"observe/task_metrics", "after_training/supervised_vep", "run/task_baseline"},
+    "sklearn": {"observe/task_metrics", "after_training/supervised_vep", "run/task_baseline", "run/task_probe"},
     "torchao": {"after_training/quantize", "train/optimizers"},  # int8 export; the 8-bit AdamW on CPU
     "bitsandbytes": {"train/optimizers"},  # the 8-bit AdamW on CUDA
     "mambapy": {"model/caduceus/scan"},  # Caduceus' torch scan (the reference and the fallback)

@@ -36,12 +36,15 @@ class TaskModelConfig:
     """pretrained: the backbone starts from --model.pretrained's weights. random: the same architecture with freshly
     initialised weights (seeded by --train.seed), trained on the task alone: the from-scratch control that shows what
     pretraining bought."""
-    layer: int = -1
+    layer: int | None = None
     """Backbone layer the head reads: -1 the final norm's output (what the LM head reads), i in 1..n_layer block i's
-    output (the layers past it are not run). Only -1 uses the DeepSpeed JSON's activation checkpointing."""
-    pooling: Literal["mean", "last", "centre"] = "mean"
+    output (the layers past it are not run). Only -1 uses the DeepSpeed JSON's activation checkpointing. Unset: chosen
+    on the validation split by linear probes of the final norm and up to 4 blocks before training
+    (run/task_probe.py); the choice is in task.json and summary.json."""
+    pooling: Literal["mean", "last", "centre"] | None = None
     """Sequence tasks: how the head sees a sequence: mean over its bases, its last base (for a causal model the one
-    position that has seen the whole sequence) or its middle base. Per-base tasks read every position."""
+    position that has seen the whole sequence) or its middle base. Per-base tasks read every position. Unset: chosen
+    on validation with --model.layer (as above)."""
     head_dropout: float = 0.1
     """Dropout on the pooled features before the head's linear layer."""
     lora: bool = False

@@ -42,7 +42,7 @@ from megagenome.config.load import locate
 from megagenome.data.task_batches import TrainBatches
 from megagenome.model import family_of
 from megagenome.model import lora as lora_adapters
-from megagenome.model.heads import TaskModel, param_groups
+from megagenome.model.heads import FINAL_NORM, TaskModel, param_groups
 from megagenome.model.stack import layers_problem
 from megagenome.observe import console, dashboards
 from megagenome.observe.metrics import MetricsWriter
@@ -50,7 +50,7 @@ from megagenome.observe.record import env_record, write_json, write_yaml
 from megagenome.observe.task_metrics import HIGHER_IS_BETTER
 from megagenome.parallel.layout import BatchSizes, ParallelLayout
 from megagenome.parallel.state import ParallelState
-from megagenome.run import task_baseline, task_data, task_eval
+from megagenome.run import task_baseline, task_data, task_eval, task_probe
 from megagenome.run.task_data import TaskData
 from megagenome.train import checkpoint, ds_config, ds_final, schedules
 from megagenome.train import engine as ds
@@ -86,7 +86,7 @@ def validate(cfg: FinetuneConfig, config_files: list[str]) -> Prepared:
         model_cfg, weights, read_from, _ = read_weights(cfg.model.pretrained, cfg.model.step)
     except (CheckpointError, ValueError, OSError) as e:
         raise ConfigError([f"{flag}: {e}"]) from e
-    problem = layers_problem([cfg.model.layer], model_cfg.n_layer)
+    problem = None if cfg.model.layer is None else layers_problem([cfg.model.layer], model_cfg.n_layer)
     if problem:
         raise ConfigError([f"--model.layer={cfg.model.layer}: {problem}"])
     return Prepared(cfg, model_cfg, weights, read_from, task_data.read_task_data(cfg, model_cfg.max_seq_len), ds_json)
@@ -151,8 +151,15 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
     head_lr = ds_conf["optimizer"]["params"]["lr"] * scale if scale != 1.0 else None  # the peak DeepSpeed's AdamW uses
     groups = param_groups(model, cfg.train.weight_decay, head_lr)
     engine = ds.initialize(model, groups, ds_conf, mpu=mpu, lr_scheduler=scheduler)
+    device = ds.device()
+
+    def to_device(b: dict) -> dict:
+        return {k: v.to(device) for k, v in b.items()}
+
+    p, choice = _head_input(p, engine, rank, world, to_device)
+    cfg = p.cfg
     torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout streams differ across data-parallel ranks
-    record = task_record(p, model)
+    record = task_record(p, model, choice)
     if rank == 0:
         _write_records(cfg, ds_conf, record, world)
     root = os.path.join(cfg.log.run_dir, "checkpoints")
@@ -162,11 +169,6 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
     sinks = dashboards.for_run(_log_config(cfg), finetune_dict(cfg), rank)
     writer = MetricsWriter(os.path.join(cfg.log.run_dir, "metrics.jsonl"), rank == 0, sinks)
     writer.truncate_after(start)
-    device = ds.device()
-
-    def to_device(b: dict) -> dict:
-        return {k: v.to(device) for k, v in b.items()}
-
     evaluator = task_eval.Evaluator(engine, p.data, cfg.train.micro_batch_size, rank, world, to_device)
     batches = TrainBatches(
         p.data.splits["train"], p.data.task, batch.micro, batch.grad_accum, rank, world, cfg.data.seed, cfg.data.rc_prob
@@ -182,19 +184,9 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
             if state.best_step is not None:
                 write_json(os.path.join(cfg.log.run_dir, BEST), {"step": state.best_step, metric: state.best})
 
-    stop_at = cfg.train.stop_at or cfg.train.max_steps
-    plan = TaskPlan(
-        start,
-        cfg.train.max_steps,
-        stop_at,
-        batch.grad_accum,
-        batch.global_batch,
-        cfg.train.eval_interval,
-        cfg.train.log_interval,
-        world,
-        rank,
-        cfg.log.progress,
-    )
+    t = cfg.train
+    plan = TaskPlan(start, t.max_steps, t.stop_at or t.max_steps, batch.grad_accum, batch.global_batch,
+                    t.eval_interval, t.log_interval, world, rank, cfg.log.progress)  # fmt: skip
     try:
         result = fit_task(
             engine,
@@ -212,6 +204,8 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
     finally:
         writer.close()
     summary.update(last_step=result.last_step, stopped_early=result.stopped_early, finished=finished)
+    if choice is not None:
+        summary["head_input"] = choice
     if rank == 0 and finished:
         write_json(os.path.join(cfg.log.run_dir, "summary.json"), summary)
         _print_summary(cfg, summary)
@@ -236,7 +230,8 @@ def build(p: Prepared, ds_conf: dict) -> TaskModel:
     backbone.set_checkpoint_function(ds.activation_checkpoint_function(ds_conf))
     torch.manual_seed(cfg.train.seed)
     classes = max(len(p.data.classes), 1)
-    model = TaskModel(backbone, p.data.task, classes, cfg.model.layer, cfg.model.pooling, cfg.model.head_dropout)
+    layer = FINAL_NORM if cfg.model.layer is None else cfg.model.layer  # unset: _head_input sets the chosen one
+    model = TaskModel(backbone, p.data.task, classes, layer, cfg.model.pooling or "mean", cfg.model.head_dropout)
     model.set_target_scale(*task_data.target_scale(p.data))
     m = cfg.model
     if m.lora:
@@ -246,9 +241,37 @@ def build(p: Prepared, ds_conf: dict) -> TaskModel:
     return model
 
 
-def task_record(p: Prepared, model: TaskModel) -> dict:
+def _head_input(p: Prepared, engine, rank: int, world: int, to_device) -> tuple[Prepared, dict | None]:
+    """p with --model.layer and --model.pooling set, and how they were chosen (None: both were given). Unset, they
+    are what an earlier invocation of this run chose (its task.json, when this one resumes) or what the linear probes
+    choose now (run/task_probe.py), set on the engine's task model too."""
+    m = p.cfg.model
+    if m.layer is not None and m.pooling is not None:
+        return p, None
+    choice = _earlier_choice(p.cfg)
+    if choice is None:
+        pairs = task_probe.candidates(p.model_cfg.n_layer, p.data.task, m.layer, m.pooling)
+        micro = p.cfg.train.micro_batch_size
+        choice = task_probe.choose(engine.module, p.data, metric_of(p.cfg), pairs, micro, rank, world, to_device)
+    engine.module.layer, engine.module.pooling = choice["layer"], choice["pooling"]
+    model = dataclasses.replace(m, layer=choice["layer"], pooling=choice["pooling"])
+    return dataclasses.replace(p, cfg=dataclasses.replace(p.cfg, model=model)), choice
+
+
+def _earlier_choice(cfg: FinetuneConfig) -> dict | None:
+    """The head input an earlier invocation of this run directory chose, when this one will resume from it."""
+    path = os.path.join(cfg.log.run_dir, TASK_RECORD)
+    root = os.path.join(cfg.log.run_dir, "checkpoints")
+    if cfg.checkpoint.resume == "none" or not os.path.exists(path) or not checkpoint.complete_tags(root):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh).get("head_input")
+
+
+def task_record(p: Prepared, model: TaskModel, choice: dict | None = None) -> dict:
     """task.json: what the run fine-tunes, enough to rebuild the task model from a checkpoint without the pretrained
-    directory (export reads it), and `key`, what a resumed checkpoint must match."""
+    directory (export reads it), `head_input` (how an unset layer and pooling were chosen) and `key`, what a resumed
+    checkpoint must match."""
     cfg = p.cfg
     m = cfg.model
     lora = {"r": m.lora_r, "alpha": m.lora_alpha, "dropout": m.lora_dropout} if m.lora else None
@@ -271,6 +294,8 @@ def task_record(p: Prepared, model: TaskModel) -> dict:
     }
     same = {k: v for k, v in record.items() if k != "pretrained"} | {"model": record["pretrained"]["model"]}
     record["key"] = json.dumps(same, sort_keys=True)
+    if choice is not None:
+        record["head_input"] = choice
     return record
 
 
@@ -350,13 +375,25 @@ def _print_summary(cfg: FinetuneConfig, summary: dict) -> None:
         f"{split} at the best step: {shown}; run dir {cfg.log.run_dir}",
         file=sys.stderr,
     )
+    chosen = summary.get("head_input")
+    if chosen and chosen["by_choice"]:
+        tried = "; ".join(f"{k} {_shown(v)}" for k, v in chosen["by_choice"].items())
+        print(
+            f"megagenome finetune: the head read {task_probe.label(chosen['layer'], chosen['pooling'], cfg.data.task)}"
+            f", chosen before training by linear probes, validation {chosen['metric']}: {tried}",
+            file=sys.stderr,
+        )
     baseline, metric = summary.get("baseline"), summary["metric"]
     if baseline and baseline.get(split):
         model, theirs = test.get(metric), baseline[split].get(metric)
-        shown = [f"{v:.4f}" if v is not None else "undefined" for v in (model, theirs)]
+        shown = [_shown(v) for v in (model, theirs)]
         print(
             f"megagenome finetune: {split} {metric} {shown[0]}, k-mer baseline ({baseline['choice']}: "
             f"{baseline['name']}, chosen on validation {baseline['metric']}) {shown[1]}: the model is "
             f"{task_baseline.compared(model, theirs, metric)}",
             file=sys.stderr,
         )
+
+
+def _shown(value: float | None) -> str:
+    return "undefined" if value is None else f"{value:.4f}"

@@ -115,11 +115,11 @@ def _composition_fits(data: TaskData) -> dict[str, dict[str, list]]:
                 model = (Ridge(alpha=1.0 / c) if regression else LogisticRegression(C=c, max_iter=2000)).fit(
                     scaled["train"], y
                 )
-            out[f"k={k}, C={c:g}"] = {s: _predict(model, scaled[s], regression, len(data.classes)) for s in SPLITS}
+            out[f"k={k}, C={c:g}"] = {s: predicted(model, scaled[s], regression, len(data.classes)) for s in SPLITS}
     return out
 
 
-def _predict(model, features: np.ndarray, regression: bool, classes: int) -> list:
+def predicted(model, features: np.ndarray, regression: bool, classes: int) -> list:
     """Per-example outputs as the model gives them: a value, or the probability of every class (a class absent from
     the training split gets 0)."""
     if not len(features):

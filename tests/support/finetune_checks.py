@@ -85,7 +85,7 @@ def _repeat_beds(paths: dict) -> None:
 
 def config(root: pathlib.Path, name: str, pretrained: str, data: dict, ds: list[str], **sections) -> dict:
     cfg = {
-        "model": {"pretrained": pretrained, "head_dropout": 0.0},
+        "model": {"pretrained": pretrained, "head_dropout": 0.0, "layer": -1, "pooling": "mean"},
         "data": data,
         "train": {
             "ds_config": [str(REPO / "ds_configs" / f"{f}.json") for f in ds],
@@ -123,11 +123,13 @@ def scenarios(root: pathlib.Path, pretrained: str, paths: dict) -> list[tuple[st
     out.append(("zero3_split", config(root, "zero3_split", pretrained, species, ["zero3"], **split)))
     out.append(("zero3_split", config(root, "zero3_split", pretrained, species, ["zero3"])))  # the resumed half
     out.append(("lora", config(root, "lora", pretrained, species, ["zero2", "bf16"], model={"lora": True})))
+    chosen = {"layer": None, "pooling": None}  # left unset: the linear probes choose (run/task_probe.py)
     out.append(("scratch", config(root, "scratch", pretrained, species, ["zero0"], model={"init": "random"})))
     early = {"lr": 1e-9, "min_lr": 1e-9, "eval_interval": 1, "patience": 2}
     out.append(("early", config(root, "early", pretrained, species, ["zero0"], train=early)))
-    out.append(("regression", config(root, "regression", pretrained, gc, ["zero1"], train={"head_lr_scale": 10.0})))
-    out.append(("per_base", config(root, "per_base", pretrained, per_base, ["zero3"], model={"lora": True})))
+    regression = config(root, "regression", pretrained, gc, ["zero1"], model=chosen, train={"head_lr_scale": 10.0})
+    out.append(("regression", regression))
+    out.append(("per_base", config(root, "per_base", pretrained, per_base, ["zero3"], model={"lora": True, **chosen})))
     imported = {"lora": True}
     out.append(("lora_evo2_import", config(root, "lora_evo2_import", paths["evo2_import"], species, ["zero2", "bf16"],
                                            model=imported)))  # fmt: skip
