@@ -342,6 +342,24 @@ def test_refused_naming_the_flag(tuned, trained, sections, flag):
     assert flag in str(e.value)
 
 
+def test_the_default_learning_rate_is_a_quarter_of_the_pretraining_peak(tuned, trained):
+    """--train.lr unset: a quarter of the pretraining run's peak (its config.yaml), 1e-4 without one; a given lr is
+    kept; a --train.min_lr above the resolved default is refused naming both flags."""
+    import yaml
+
+    from megagenome.config.finetune import with_lr
+
+    peak = yaml.safe_load((trained.run_dir("dense") / "config.yaml").read_text())["train"]["lr"]
+    assert finetune.validate(finetune_config_from_dict(_cfg(tuned, trained)), []).cfg.train.lr == peak / 4
+    given = _cfg(tuned, trained, train={"lr": 3e-5})
+    assert finetune.validate(finetune_config_from_dict(given), []).cfg.train.lr == 3e-5
+    unset = finetune_config_from_dict(_cfg(tuned, trained))
+    assert unset.train.lr is None and with_lr(unset, None)[0].train.lr == 1e-4  # an export: no pretraining config
+    high = _cfg(tuned, trained, train={"min_lr": 1.0})
+    with pytest.raises(ConfigError, match=r"--train.min_lr=1.0 is above --train.lr=.* \(the default: a quarter"):
+        finetune.validate(finetune_config_from_dict(high), [])
+
+
 def test_longer_than_the_context(tuned, trained, tmp_path):
     """The dense run's context is 128 bases: a 200-base sequence is refused by name, --data.max_len crops it."""
     bench = tmp_path / "bench"

@@ -21,6 +21,8 @@ TASK_METRICS = {
     "per_base": ("loss", "accuracy", "mcc", "auroc"),
 }
 DEFAULT_METRIC = {"classification": "mcc", "regression": "spearman", "per_base": "mcc"}
+LR_FRACTION = 0.25  # --train.lr unset: this fraction of the pretraining run's peak learning rate
+LR_FALLBACK = 1e-4  # --train.lr unset and no pretraining config to read it from
 
 
 @dataclass
@@ -111,8 +113,10 @@ class TaskTrainConfig:
     """Optimizer steps at most (early stopping may end the run sooner)."""
     stop_at: int | None = None
     """Stop this invocation after this step with a checkpoint (a later invocation resumes); default: max_steps."""
-    lr: float = 1e-4
-    """Peak learning rate (AdamW)."""
+    lr: float | None = None
+    """Peak learning rate (AdamW). Default: a quarter (LR_FRACTION) of the pretraining run's peak --train.lr, read
+    from its config.yaml (the default job's 4e-3 gives 1e-3), or 1e-4 (LR_FALLBACK) when the pretrained directory
+    records none (an export, an import, a fine-tuning run). benchmarks/results/finetune_recipes.md measures it."""
     head_lr_scale: float = 1.0
     """The head's peak learning rate as a multiple of --train.lr (the schedule scales both alike): the head starts
     from random weights where the backbone is pretrained."""
@@ -238,7 +242,7 @@ def finetune_problems(cfg: FinetuneConfig) -> list[str]:
         out.append(f"--train.stop_at={t.stop_at} must be in 1..--train.max_steps={t.max_steps}")
     if t.warmup_steps is not None and not 0 <= t.warmup_steps <= t.max_steps:
         out.append(f"--train.warmup_steps={t.warmup_steps} must be in 0..--train.max_steps={t.max_steps}")
-    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+    if (t.lr is not None and t.lr <= 0) or t.min_lr < 0 or (t.lr is not None and t.min_lr > t.lr):
         out.append(f"--train.lr={t.lr} and --train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0")
     if t.head_lr_scale <= 0:
         out.append(f"--train.head_lr_scale={t.head_lr_scale} must be positive")
@@ -249,6 +253,20 @@ def finetune_problems(cfg: FinetuneConfig) -> list[str]:
     if c.keep_last < 1:
         out.append(f"--checkpoint.keep_last={c.keep_last} must be at least 1")
     return out
+
+
+def with_lr(cfg: FinetuneConfig, pretraining_lr: float | None) -> tuple[FinetuneConfig, list[str]]:
+    """cfg with --train.lr resolved (given, or LR_FRACTION of the pretraining run's peak, or LR_FALLBACK), and the
+    problems of the resolved value (a --train.min_lr above it)."""
+    t = cfg.train
+    if t.lr is None:
+        lr = LR_FALLBACK if pretraining_lr is None else pretraining_lr * LR_FRACTION
+        t = dataclasses.replace(t, lr=lr)
+    problems = []
+    if t.min_lr > t.lr:
+        origin = "" if cfg.train.lr is not None else " (the default: a quarter of the pretraining run's peak)"
+        problems.append(f"--train.min_lr={t.min_lr} is above --train.lr={t.lr:g}{origin}: lower it or set --train.lr")
+    return dataclasses.replace(cfg, train=t), problems
 
 
 def warmup_steps(cfg: FinetuneConfig) -> int:

@@ -37,7 +37,14 @@ import torch
 from megagenome.after_training.task_weights import BEST, TASK_RECORD
 from megagenome.after_training.weights import read_weights
 from megagenome.config import ConfigError, TrainConfig
-from megagenome.config.finetune import FinetuneConfig, finetune_dict, finetune_problems, metric_of, warmup_steps
+from megagenome.config.finetune import (
+    FinetuneConfig,
+    finetune_dict,
+    finetune_problems,
+    metric_of,
+    warmup_steps,
+    with_lr,
+)
 from megagenome.config.load import locate
 from megagenome.data.task_batches import TrainBatches
 from megagenome.model import family_of
@@ -83,9 +90,12 @@ def validate(cfg: FinetuneConfig, config_files: list[str]) -> Prepared:
         raise ConfigError(problems)
     flag = f"--model.pretrained={cfg.model.pretrained}"
     try:
-        model_cfg, weights, read_from, _ = read_weights(cfg.model.pretrained, cfg.model.step)
+        model_cfg, weights, read_from, run_cfg = read_weights(cfg.model.pretrained, cfg.model.step)
     except (CheckpointError, ValueError, OSError) as e:
         raise ConfigError([f"{flag}: {e}"]) from e
+    cfg, problems = with_lr(cfg, run_cfg.train.lr if run_cfg is not None else None)
+    if problems:
+        raise ConfigError(problems)
     problem = None if cfg.model.layer is None else layers_problem([cfg.model.layer], model_cfg.n_layer)
     if problem:
         raise ConfigError([f"--model.layer={cfg.model.layer}: {problem}"])
