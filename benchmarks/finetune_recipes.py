@@ -13,9 +13,12 @@ region and no window crosses into it; validation is a stratified 10% of the trai
   species       benchmarks/species_task.py's four species (E. coli, S. aureus, S. cerevisiae, phage lambda),
                 256-base windows, 400 and 100 per class
 
-Arms (ARMS): `default`, recipe candidates (learning rates, the head's learning rate, pooling), a linear probe of the
-frozen backbone, and `scratch`: the same architecture from random weights (--model.init random), the control that
-shows what pretraining bought.
+Arms (ARMS): `default` adds no flag (lr a quarter of the pretraining run's peak, reverse complements at 0.5, the
+head's layer and pooling chosen by linear probes on validation); `scratch` is the same from random weights
+(--model.init random), the control that shows what pretraining bought. The others change one thing at a time with the
+head on the final norm, mean pooled (FIXED): the probes' choice against none, no reverse complements, the head's
+learning rate, lower learning rates (lr_1e-4 is the recipe before the defaults changed), the controls under the same
+flags, last-base pooling and a linear probe of the frozen backbone.
 
 Designed to finish in pieces: an invocation starts no arm after --budget_minutes (default 40; an arm takes 3-12 min
 on 2 cores), and benchmarks/results/finetune_recipes.{json,md} are rewritten after every arm, keeping the arms that
@@ -48,19 +51,21 @@ TASKS = {  # name: (species, window, training windows per class, test windows pe
     "two_species": (("ecoli", "saureus"), 512, 400, 100),
     "species": (("ecoli", "saureus", "scerevisiae", "lambda"), 256, 400, 100),
 }
-ARMS = {  # name: flags on top of `megagenome finetune`'s defaults
+FIXED = ["--model.layer", "-1", "--model.pooling", "mean"]  # the head input of every run before the probes chose it
+NO_RC = ["--data.rc_prob", "0"]
+ARMS = {  # name: flags on top of `megagenome finetune`'s defaults (module docstring)
     "default": [],
-    "lr_1e-3": ["--train.lr", "1e-3"],
-    "lr_3e-4": ["--train.lr", "3e-4"],
-    "head_x10": ["--train.head_lr_scale", "10"],
-    "lr_3e-4_head_x10": ["--train.lr", "3e-4", "--train.head_lr_scale", "10"],
-    "pool_last": ["--model.pooling", "last"],
-    "probe": ["--model.freeze_backbone", "true", "--train.lr", "1e-2"],
     "scratch": ["--model.init", "random"],
-    "scratch_lr_1e-3": ["--model.init", "random", "--train.lr", "1e-3"],
-    "lr_1e-3_rc": ["--train.lr", "1e-3", "--data.rc_prob", "0.5"],
-    "lr_1e-3_head_x10": ["--train.lr", "1e-3", "--train.head_lr_scale", "10"],
-    "scratch_lr_1e-3_rc": ["--model.init", "random", "--train.lr", "1e-3", "--data.rc_prob", "0.5"],
+    "final_mean": FIXED,
+    "no_rc": [*NO_RC, *FIXED],
+    "head_x10": ["--train.head_lr_scale", "10", *FIXED],
+    "lr_3e-4": ["--train.lr", "3e-4", *FIXED],
+    "lr_1e-4": ["--train.lr", "1e-4", *NO_RC, *FIXED],  # the defaults before this benchmark chose them
+    "scratch_final_mean": ["--model.init", "random", *FIXED],
+    "scratch_no_rc": ["--model.init", "random", *NO_RC, *FIXED],
+    "scratch_lr_1e-4": ["--model.init", "random", "--train.lr", "1e-4", *NO_RC, *FIXED],
+    "pool_last": ["--model.layer", "-1", "--model.pooling", "last"],
+    "probe": ["--model.freeze_backbone", "true", "--train.lr", "1e-2"],
 }
 OUT = harness.RESULTS / "finetune_recipes"
 

@@ -91,8 +91,10 @@ class TaskDataConfig:
     max_len: int | None = None
     """Crop longer sequences to their central max_len bases (default: a sequence longer than the model's context
     --model.max_seq_len of the pretrained config is an error naming it)."""
-    rc_prob: float = 0.0
-    """Probability of training on a sequence's reverse complement (per-base labels reversed with it)."""
+    rc_prob: float = 0.5
+    """Probability of training on a sequence's reverse complement (per-base labels reversed with it): a label that
+    holds on either strand (a species, a GC content, a repeat). Set 0 for a strand-specific task, where the label
+    belongs to the sequence as written (a promoter or splice site read 5' to 3' on its gene's strand)."""
     seed: int = 1234
     """Seed of the validation split, the training order and the reverse-complement draws."""
 
