@@ -129,6 +129,7 @@ def run_arm(model: str, task: str, arm: str, work: str) -> dict:
         "test": s["test"],
         "validation": s["validation"],
         "baseline": s["baseline"],
+        "head_input": s.get("head_input"),
         "wall_s": wall,
         "load": load if wall is not None else None,
         "measured": {"date": harness.today(), "commit": harness.git_commit(), "hardware": harness.hardware()},
@@ -145,7 +146,7 @@ def markdown(record: dict) -> str:
         rows = []
         for arm, r in arms.items():
             if "failed" in r:
-                rows.append([arm, f"`{' '.join(ARMS.get(arm, []))}`", r["failed"], *["-"] * 6])
+                rows.append([arm, f"`{' '.join(ARMS.get(arm, []))}`", "-", r["failed"], *["-"] * 6])
                 continue
             t, b = r["test"], r["baseline"].get("test") or {}
             both = t.get("mcc") is not None and b.get("mcc") is not None
@@ -154,10 +155,16 @@ def markdown(record: dict) -> str:
             stop = f"{r['best_step']} of {r['last_step']}" + (" (early stop)" if r["stopped_early"] else "")
             baseline = f"{_num(b.get('mcc'))} ({r['baseline'].get('choice', 'failed')})"
             cells = [_num(t.get("accuracy")), _num(t.get("mcc")), baseline, margin, _num(t.get("auroc")), wall]
-            rows.append([arm, f"`{r['flags']}`", stop, *cells])
-        cols = ["arm", "flags", "best step", "test accuracy", "test MCC", "k-mer baseline test MCC", "margin",
-                "test AUROC", "wall s"]  # fmt: skip
+            rows.append([arm, f"`{r['flags']}`", _head(r.get("head_input")), stop, *cells])
+        cols = ["arm", "flags", "head input", "best step", "test accuracy", "test MCC", "k-mer baseline test MCC",
+                "margin", "test AUROC", "wall s"]  # fmt: skip
         lines += harness.table(cols, rows) + [""]
+        earlier = [f"`{arm}` as {r['measured_as']} at {r['measured']['commit']}"
+                   for arm, r in arms.items() if r.get("measured_as")]  # fmt: skip
+        if earlier:
+            lines += ["Measured before the defaults changed, under the flags that give the same run now (with the "
+                      "head input given no probe runs, so these flags train as the old defaults did): "
+                      + "; ".join(earlier) + ".", ""]  # fmt: skip
     lines += [
         "The k-mer baseline is the same in every arm of a task (the same windows, fitted on the training split and "
         "chosen on validation by MCC); margin: the model's test MCC minus the baseline's. wall s: the finetune "
@@ -166,6 +173,14 @@ def markdown(record: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _head(chosen: dict | None) -> str:
+    """The head's layer and pooling as the probes chose them, or "as given"."""
+    if not chosen or not chosen.get("by_choice"):
+        return "as given"
+    where = "final norm" if chosen["layer"] == -1 else f"block {chosen['layer']}"
+    return f"{where}, {chosen['pooling']} (probes)"
 
 
 def _identity(identity: dict | None) -> str:

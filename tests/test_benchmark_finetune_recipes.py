@@ -27,18 +27,23 @@ def test_the_report_puts_each_arm_beside_its_baseline(tmp_path):
         "hardware": "cpu",
         "software": "sw",
     }
+    chosen = {"layer": 3, "pooling": "last", "metric": "mcc", "by_choice": {"final norm, mean": 0.5}, "why": "probes"}
+    old = {"measured_as": "`default` (`(none)`)", "measured": {"commit": "4eb3b3f"}}
     record = {"meta": meta, "model": "/r/runs/tiny", "results": {"two_species": {
-        "default": _arm(0.931, 0.950), "lr_1e-3": _arm(0.97, 0.950, flags="--train.lr 1e-3"),
-        "scratch": _arm(None, 0.950), "probe": {"failed": "exit 1: ['boom']"}}}}  # fmt: skip
+        "default": _arm(0.931, 0.950, head_input=chosen), "lr_1e-3": _arm(0.97, 0.950, flags="--train.lr 1e-3"),
+        "scratch": _arm(None, 0.950), "probe": {"failed": "exit 1: ['boom']"},
+        "lr_1e-4": _arm(0.9, 0.950, flags="--train.lr 1e-4", **old)}}}  # fmt: skip
     out = tmp_path / "finetune_recipes"
     (tmp_path / "finetune_recipes.json").write_text(json.dumps(record))
     assert recipes.main(["--render_only", "--out", str(out)]) == 0
     md = (tmp_path / "finetune_recipes.md").read_text()
     assert md == recipes.markdown(record)
-    assert "| default | `(none)` | 800 of 1000 | 0.960 | 0.931 | 0.950 (k=3, C=0.1) | -0.019 | 0.980 | 819 |" in md
-    assert "| lr_1e-3 | `--train.lr 1e-3` | 800 of 1000 | 0.960 | 0.970 | 0.950 (k=3, C=0.1) | +0.020 |" in md
-    assert "| scratch | `(none)` | 800 of 1000 | 0.960 | - | 0.950 (k=3, C=0.1) | - |" in md  # an undefined MCC
-    assert "| probe | `--model.freeze_backbone true --train.lr 1e-2` | exit 1: ['boom'] |" in md
+    row = "| default | `(none)` | block 3, last (probes) | 800 of 1000 | 0.960 | 0.931 | 0.950 (k=3, C=0.1) | -0.019 |"
+    assert row + " 0.980 | 819 |" in md
+    assert "| lr_1e-3 | `--train.lr 1e-3` | as given | 800 of 1000 | 0.960 | 0.970 | 0.950 (k=3, C=0.1) | +0.020" in md
+    assert "| scratch | `(none)` | as given | 800 of 1000 | 0.960 | - | 0.950 (k=3, C=0.1) | - |" in md  # undefined MCC
+    assert "| probe | `--model.freeze_backbone true --train.lr 1e-2` | - | exit 1: ['boom'] |" in md
+    assert "the old defaults did): `lr_1e-4` as `default` (`(none)`) at 4eb3b3f." in md
     assert "## two_species: ecoli, saureus; 512-base windows, 400 training and 100 test per class" in md
 
 
