@@ -1,0 +1,56 @@
+"""benchmarks/brca1_finetune.py's parts that need no training: the task it writes from the real BRCA1 VCF and locus
+(ALT windows with the ALT at the centre, the test split one fold of supervised VEP's block folds, no block on both
+sides), the one-hot baseline on that split, and the report rendered from a record. The experiment itself is its
+results file's command."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import numpy as np
+from support.helpers import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import brca1_finetune as bench  # noqa: E402
+
+
+def test_the_task_holds_out_whole_blocks_of_alt_windows(tmp_path):
+    manifest = bench.build_task(str(tmp_path / "task"), 512, 0)
+    variants = manifest["variants"]
+    assert len(variants) == 3893 and manifest["splitter"] == "StratifiedGroupKFold"
+    by_split = {s: list(csv.DictReader(open(tmp_path / "task" / f"{s}.csv"))) for s in ("train", "test")}
+    for split, rows in by_split.items():
+        mine = [v for v in variants if v["split"] == split]
+        assert len(rows) == len(mine) and all(len(r["seq"]) == 512 for r in rows)
+        assert all(r["seq"][256] == v["alt"] and r["label"] == v["label"] for r, v in zip(rows, mine))
+    test_blocks = {(v["pos"] - 1) // 100 for v in variants if v["split"] == "test"}  # pos is 1-based
+    assert not test_blocks & {(v["pos"] - 1) // 100 for v in variants if v["split"] == "train"}
+    assert {v["fold"] for v in variants if v["split"] == "test"} == {0}
+    assert 0.15 < len(by_split["test"]) / len(variants) < 0.25
+    assert bench.build_task(str(tmp_path / "task"), 512, 0) == json.loads(
+        (tmp_path / "task" / "manifest.json").read_text()
+    )
+    onehot = bench.onehot_baseline(manifest, 50)
+    assert 0.5 < onehot["auroc"] < 0.75 and onehot["ci95"][0] < onehot["auroc"] < onehot["ci95"][1]
+
+
+def test_the_report_puts_each_model_beside_the_bases():
+    variants = [{"split": "train", "label": "LOF"}, {"split": "test", "label": "LOF"}, {"split": "test", "label": "x"}]
+    meta = {"date": "2026-12-07", "command": "python benchmarks/brca1_finetune.py", "hardware": "cpu", "software": "s"}
+    run = {"run_dir": "/r/hyena", "family": "hyena", "lr": 5e-4, "best_step": 300, "last_step": 800,
+           "test": {"auroc": 0.7, "mcc": 0.2}, "ci95": [0.66, 0.74], "baseline": {"test": {"auroc": 0.55}},
+           "head_input": {"layer": 2, "pooling": "centre"}}  # fmt: skip
+    task = {"window": 512, "test_fold": 0, "splitter": "StratifiedGroupKFold", "variants": variants}
+    runs = [run, dict(run, family="transformer", ci95=[0.5, 0.6]), {"run_dir": "/r/x", "missing": "m"}]
+    record = {"meta": meta, "task": task, "onehot": {"auroc": 0.62, "ci95": [0.58, 0.67]}, "runs": runs}
+    md = bench.markdown(record)
+    assert "- task: 1 training and 2 test SNVs (1 LOF), ALT windows of 512 bases; test = fold 0 of 5" in md
+    row = (
+        "| hyena | 0.0005 | block 2, centre | 300 of 800 | 0.700 [0.660, 0.740] | 0.200 | 0.550 | 0.620 [0.580, 0.670]"
+    )
+    assert row + " | yes |" in md
+    assert "| transformer | 0.0005 | block 2, centre | 300 of 800 | 0.700 [0.500, 0.600] |" in md and "| no |" in md
+    assert "| /r/x | m |" in md
+    assert np.isclose(record["onehot"]["auroc"], 0.62)
