@@ -193,10 +193,13 @@ def test_lora_fine_tunes_an_imported_evo2(tuned):
 def test_export_of_a_finetuned_model(tuned, tmp_path):
     """`megagenome export` of the LoRA run: a pretrained model's export (loads with read_export and
     inference.load_model, a Llama config for transformers) plus the head; its task model predicts the run's
-    predictions_test.tsv."""
+    predictions_test.tsv, both strands averaged as the run evaluated (--data.rc_prob 0.5 by default turns it on; the
+    early run's 0 leaves it off)."""
     out = tmp_path / "export"
     manifest = export(str(tuned / "lora"), str(out))
     assert manifest["task"]["classes"] == ["lambda", "phiX"] and manifest["task"]["lora_merged"]
+    assert manifest["task"]["rc_average"] and json.loads((tuned / "lora" / "task.json").read_text())["rc_average"]
+    assert load_task_model(str(out)).rc_average and "rc_average" not in (tuned / "early" / "task.json").read_text()
     assert (out / "task_head.safetensors").exists() and (out / "config.json").exists()
     model_cfg, _ = read_export(str(out))
     assert load_model(str(out)).model.cfg.d_model == model_cfg.d_model

@@ -73,6 +73,8 @@ def _task_card(t: dict) -> list[str]:
     classes = ", ".join(t["classes"]) or "a value (regression)"
     reads = "the final norm" if t["layer"] == -1 else f"block {t['layer']}"
     merged = ", LoRA merged into the weights" if t["lora_merged"] else ""
+    if t.get("rc_average"):
+        merged += "; its outputs average both strands (the sequence and its reverse complement)"
     lines = [
         "## Task head",
         "",

@@ -71,7 +71,8 @@ def empty_task_model(record: dict) -> TaskModel:
     with torch.random.fork_rng(devices=[]):
         backbone = family.build(model_cfg, VOCAB_SIZE)
         classes = max(len(record["classes"]), 1)
-        model = TaskModel(backbone, record["task"], classes, record["layer"], record["pooling"], 0.0)
+        rc = record.get("rc_average", False)  # absent: off (and in runs before it)
+        model = TaskModel(backbone, record["task"], classes, record["layer"], record["pooling"], 0.0, rc)
         if record.get("lora"):
             lora = record["lora"]
             model.backbone = lora_adapters.add(backbone, family, lora["r"], lora["alpha"], lora["dropout"])
@@ -105,6 +106,7 @@ def read_task_run(run_dir: str, step: int | None = None) -> TaskWeights:
 def head_manifest(weights: TaskWeights, run_dir: str) -> dict:
     """The "task" entry of an export's megagenome.json: the head's fields, its file, and the run's summary."""
     entry = {k: weights.record[k] for k in HEAD_FIELDS}
+    entry["rc_average"] = bool(weights.record.get("rc_average", False))
     entry.update(head=TASK_HEAD, lora_merged=bool(weights.record.get("lora")), step=weights.step)
     summary = os.path.join(run_dir, "summary.json")
     if os.path.isfile(summary):

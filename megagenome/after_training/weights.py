@@ -178,7 +178,8 @@ def load_task_model(path: str, step: int | None = None) -> TaskModel:
             raise CheckpointError(f"{path}: an export of a pretrained model, not of a fine-tuning run (no task head)")
         model_cfg, state = read_export(path)
         backbone, head = build_model(model_cfg, state), load_file(os.path.join(path, entry["head"]))
-    model = TaskModel(backbone, entry["task"], max(len(entry["classes"]), 1), entry["layer"], entry["pooling"], 0.0)
+    classes, rc = max(len(entry["classes"]), 1), entry.get("rc_average", False)  # absent in exports before it: off
+    model = TaskModel(backbone, entry["task"], classes, entry["layer"], entry["pooling"], 0.0, rc)
     model.head.load_state_dict({k: v.float() for k, v in head.items()})
     model.set_target_scale(entry["target_mean"], entry["target_std"])
     return model.eval()

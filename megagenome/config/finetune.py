@@ -47,6 +47,10 @@ class TaskModelConfig:
     """Sequence tasks: how the head sees a sequence: mean over its bases, its last base (for a causal model the one
     position that has seen the whole sequence) or its middle base. Per-base tasks read every position. Unset: chosen
     on validation with --model.layer (as above)."""
+    rc_average: bool | None = None
+    """Evaluate on both strands: validation, the test and an export's predictions average the outputs of each sequence
+    and its reverse complement (per-base outputs mapped back onto the forward strand). Default: on when
+    --data.rc_prob > 0 (the model trains on both strands), off otherwise."""
     head_dropout: float = 0.1
     """Dropout on the pooled features before the head's linear layer."""
     lora: bool = False
@@ -184,6 +188,11 @@ class FinetuneConfig:
     """Checkpoint resume and retention."""
     log: TaskLogConfig = field(default_factory=TaskLogConfig)
     """Run directory and console output."""
+
+
+def rc_average(cfg: FinetuneConfig) -> bool:
+    """Whether evaluation averages both strands (--model.rc_average, by default whether --data.rc_prob > 0)."""
+    return cfg.model.rc_average if cfg.model.rc_average is not None else cfg.data.rc_prob > 0
 
 
 def metric_of(cfg: FinetuneConfig) -> str:

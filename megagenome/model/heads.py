@@ -16,6 +16,12 @@ padding tokens, as in the pretraining windows' N runs.
 
 forward(input_ids, lengths, labels) returns (loss, outputs): outputs are class probabilities (B, C) or (B, T, C), or
 values (B,), in float32, which evaluation gathers for the metrics.
+
+With rc_average, a forward outside training (evaluation, the test, an export's predictions) runs the head on both
+strands, each row's real bases reverse-complemented in place (padding stays at the end), and averages the outputs:
+probabilities, a per-base strand's mapped back onto the forward strand's positions, or values. The loss is the
+average's. For a label that holds on either strand it is the model's best single guess, and a model trained with
+reverse complements (--data.rc_prob) has learnt both.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megagenome.model.complement import reverse_complement_rows, within_lengths
 
 IGNORE = -100  # a per-base label that carries no loss (padding); data/labelled.py uses the same value
 FINAL_NORM = -1
@@ -47,10 +55,19 @@ class TaskHead(nn.Module):
 class TaskModel(nn.Module):
     """A backbone and a task head (module docstring)."""
 
-    def __init__(self, backbone: nn.Module, task: str, outputs: int, layer: int, pooling: str, dropout: float):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        task: str,
+        outputs: int,
+        layer: int,
+        pooling: str,
+        dropout: float,
+        rc_average: bool = False,
+    ):
         super().__init__()
         self.backbone = backbone
-        self.task, self.layer, self.pooling = task, layer, pooling
+        self.task, self.layer, self.pooling, self.rc_average = task, layer, pooling, rc_average
         self.head = TaskHead(backbone.cfg.d_model, 1 if task == "regression" else outputs, dropout)
 
     def set_target_scale(self, mean: float, std: float) -> None:
@@ -80,6 +97,8 @@ class TaskModel(nn.Module):
         self, input_ids: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss over the batch's labelled items, outputs: probabilities or values in label units)."""
+        if self.rc_average and not self.training:
+            return self._both_strands(input_ids, lengths, labels)
         out = self.predict(input_ids, lengths)
         if self.task == "regression":
             mean, std = self.head.target_mean, self.head.target_std
@@ -90,6 +109,25 @@ class TaskModel(nn.Module):
         else:
             loss = F.cross_entropy(out, labels)
         return loss, out.softmax(-1)
+
+    def _both_strands(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's (loss, outputs) of the average of both strands' outputs (module docstring)."""
+        forward = self.predict(input_ids, lengths)
+        other = self.predict(reverse_complement_rows(input_ids, lengths), lengths)
+        if self.task == "regression":
+            mean, std = self.head.target_mean, self.head.target_std
+            out = (forward + other) / 2
+            return F.mse_loss(out, (labels.float() - mean) / std), out * std + mean
+        if self.task == "per_base":  # the other strand's position L-1-t is the forward strand's t
+            index = within_lengths(lengths, other.shape[1]).to(other.device)
+            other = other.gather(1, index[..., None].expand_as(other))
+        probs = (forward.softmax(-1) + other.softmax(-1)) / 2
+        logp = probs.clamp_min(1e-12).log()
+        if self.task == "per_base":
+            return F.nll_loss(logp.flatten(0, 1), labels.flatten(), ignore_index=IGNORE), probs
+        return F.nll_loss(logp, labels), probs
 
 
 def pool(x: torch.Tensor, lengths: torch.Tensor, how: str) -> torch.Tensor:

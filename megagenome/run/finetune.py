@@ -42,6 +42,7 @@ from megagenome.config.finetune import (
     finetune_dict,
     finetune_problems,
     metric_of,
+    rc_average,
     warmup_steps,
     with_lr,
 )
@@ -241,7 +242,8 @@ def build(p: Prepared, ds_conf: dict) -> TaskModel:
     torch.manual_seed(cfg.train.seed)
     classes = max(len(p.data.classes), 1)
     layer = FINAL_NORM if cfg.model.layer is None else cfg.model.layer  # unset: _head_input sets the chosen one
-    model = TaskModel(backbone, p.data.task, classes, layer, cfg.model.pooling or "mean", cfg.model.head_dropout)
+    pooling, rc = cfg.model.pooling or "mean", rc_average(cfg)
+    model = TaskModel(backbone, p.data.task, classes, layer, pooling, cfg.model.head_dropout, rc)
     model.set_target_scale(*task_data.target_scale(p.data))
     m = cfg.model
     if m.lora:
@@ -296,6 +298,7 @@ def task_record(p: Prepared, model: TaskModel, choice: dict | None = None) -> di
         "lora": lora,
         "freeze_backbone": m.freeze_backbone,
         **({"init": "random"} if m.init == "random" else {}),  # absent for pretrained: earlier runs' keys unchanged
+        **({"rc_average": True} if rc_average(cfg) else {}),  # absent when off, as for runs before it
         "target_mean": model.head.target_mean,
         "target_std": model.head.target_std,
         "metric": metric_of(cfg),

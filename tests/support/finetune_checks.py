@@ -126,7 +126,8 @@ def scenarios(root: pathlib.Path, pretrained: str, paths: dict) -> list[tuple[st
     chosen = {"layer": None, "pooling": None}  # left unset: the linear probes choose (run/task_probe.py)
     out.append(("scratch", config(root, "scratch", pretrained, species, ["zero0"], model={"init": "random"})))
     early = {"lr": 1e-9, "min_lr": 1e-9, "eval_interval": 1, "patience": 2}
-    out.append(("early", config(root, "early", pretrained, species, ["zero0"], train=early)))
+    one_strand = {**species, "rc_prob": 0.0}  # and so no two-strand evaluation
+    out.append(("early", config(root, "early", pretrained, one_strand, ["zero0"], train=early)))
     regression = config(root, "regression", pretrained, gc, ["zero1"], model=chosen, train={"head_lr_scale": 10.0})
     out.append(("regression", regression))
     out.append(("per_base", config(root, "per_base", pretrained, per_base, ["zero3"], model={"lora": True, **chosen})))

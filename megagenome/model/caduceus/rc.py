@@ -1,8 +1,6 @@
 """Reverse complements of token ids, logits and RC-PS streams (layer L1), for Caduceus' two forms of equivariance.
 
-The complement of megagenome's vocabulary (data/tokenizer.py VOCAB: <pad> <mask> <sep> A C G T N) swaps A with T
-and C with G and maps every special token, N and padded row to itself. It is written here, not imported, because the
-model layer does not import the data layer; tests/test_caduceus.py checks that it is data/tokenizer.py's table.
+The complement of megagenome's vocabulary is model/complement.py's (A with T, C with G, every other id itself).
 
 RC-PS (Caduceus-PS) keeps a 2 x d_model residual stream [a, b] whose second half is the reverse complement strand's,
 flipped: h(rc(x)) = flip over positions and all 2d channels of h(x). Every layer of it applies one d_model-wide
@@ -18,16 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-# data/tokenizer.py VOCAB order: <pad> <mask> <sep> A C G T N -> its complement's id.
-DNA_COMPLEMENT = (0, 1, 2, 6, 5, 4, 3, 7)
-
-
-def complement_index(rows: int) -> torch.Tensor:
-    """(rows,) int64: the complement's id of every id below `rows` (identity past the DNA vocabulary)."""
-    table = torch.arange(rows)
-    known = min(rows, len(DNA_COMPLEMENT))
-    table[:known] = torch.tensor(DNA_COMPLEMENT[:known])
-    return table
+# complement_index is re-exported: the family's code and tests name it here.
+from megagenome.model.complement import DNA_COMPLEMENT, complement_index, reverse_complement_ids  # noqa: F401
 
 
 def row_complement_index(rows: int, token_rows: Sequence[int]) -> torch.Tensor:
@@ -38,11 +28,6 @@ def row_complement_index(rows: int, token_rows: Sequence[int]) -> torch.Tensor:
         if partner != token:
             table[token_rows[token]] = token_rows[partner]
     return table
-
-
-def reverse_complement_ids(input_ids: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids of the reverse complement strand: the complement of input_ids read backwards."""
-    return complement[input_ids.flip(1)]
 
 
 def strands(input_ids: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
