@@ -13,12 +13,13 @@ region and no window crosses into it; validation is a stratified 10% of the trai
   species       benchmarks/species_task.py's four species (E. coli, S. aureus, S. cerevisiae, phage lambda),
                 256-base windows, 400 and 100 per class
 
-Arms (ARMS): `default` adds no flag (lr a quarter of the pretraining run's peak, reverse complements at 0.5, the
-head's layer and pooling chosen by linear probes on validation); `scratch` is the same from random weights
-(--model.init random), the control that shows what pretraining bought. The others change one thing at a time with the
-head on the final norm, mean pooled (FIXED): the probes' choice against none, no reverse complements, the head's
-learning rate, lower learning rates (lr_1e-4 is the recipe before the defaults changed), the controls under the same
-flags, last-base pooling and a linear probe of the frozen backbone.
+Arms (ARMS): `default` adds no flag (lr a quarter of the pretraining run's peak, reverse complements at 0.5 and
+evaluation on both strands, the head's layer and pooling chosen by linear probes on validation); `scratch` is the
+same from random weights (--model.init random), the control that shows what pretraining bought. The others change
+one thing at a time, most with the head on the final norm, mean pooled (FIXED): the probes' choice against none,
+evaluation on one strand, no reverse complements, the head's learning rate, lower learning rates (lr_1e-4 is the
+recipe before the defaults changed), the controls under the same flags, last-base pooling and a linear probe of the
+frozen backbone.
 
 Designed to finish in pieces: an invocation starts no arm after --budget_minutes (default 40; an arm takes 3-12 min
 on 2 cores), and benchmarks/results/finetune_recipes.{json,md} are rewritten after every arm, keeping the arms that
@@ -57,6 +58,8 @@ ARMS = {  # name: flags on top of `megagenome finetune`'s defaults (module docst
     "default": [],
     "scratch": ["--model.init", "random"],
     "final_mean": FIXED,
+    "one_strand_eval": ["--model.rc_average", "false"],
+    "final_mean_one_strand_eval": ["--model.rc_average", "false", *FIXED],
     "no_rc": [*NO_RC, *FIXED],
     "head_x10": ["--train.head_lr_scale", "10", *FIXED],
     "lr_3e-4": ["--train.lr", "3e-4", *FIXED],
@@ -162,9 +165,9 @@ def markdown(record: dict) -> str:
         earlier = [f"`{arm}` as {r['measured_as']} at {r['measured']['commit']}"
                    for arm, r in arms.items() if r.get("measured_as")]  # fmt: skip
         if earlier:
-            lines += ["Measured before the defaults changed, under the flags that give the same run now (with the "
-                      "head input given no probe runs, so these flags train as the old defaults did): "
-                      + "; ".join(earlier) + ".", ""]  # fmt: skip
+            lines += ["Measured before a default changed and named by the flags that give the same run now (a head "
+                      "input given runs no probe; --data.rc_prob 0 or --model.rc_average false evaluates one strand, "
+                      "as before): " + "; ".join(earlier) + ".", ""]  # fmt: skip
     lines += [
         "The k-mer baseline is the same in every arm of a task (the same windows, fitted on the training split and "
         "chosen on validation by MCC); margin: the model's test MCC minus the baseline's. wall s: the finetune "

@@ -43,7 +43,7 @@ def test_the_report_puts_each_arm_beside_its_baseline(tmp_path):
     assert "| lr_1e-3 | `--train.lr 1e-3` | as given | 800 of 1000 | 0.960 | 0.970 | 0.950 (k=3, C=0.1) | +0.020" in md
     assert "| scratch | `(none)` | as given | 800 of 1000 | 0.960 | - | 0.950 (k=3, C=0.1) | - |" in md  # undefined MCC
     assert "| probe | `--model.freeze_backbone true --train.lr 1e-2` | - | exit 1: ['boom'] |" in md
-    assert "the old defaults did): `lr_1e-4` as `default` (`(none)`) at 4eb3b3f." in md
+    assert "evaluates one strand, as before): `lr_1e-4` as `default` (`(none)`) at 4eb3b3f." in md
     assert "## two_species: ecoli, saureus; 512-base windows, 400 training and 100 test per class" in md
 
 
