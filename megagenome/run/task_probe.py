@@ -2,10 +2,11 @@
 (layer L4): linear probes of the backbone, fitted before fine-tuning starts.
 
 For each candidate (layer, pooling) the backbone's features of the training examples (up to MAX_EXAMPLES, a seeded
-sample) are standardised and fitted with scikit-learn's logistic regression (ridge for regression), C = 1, and the
-probe is scored on the validation examples (up to MAX_EXAMPLES) by the run's metric with task_eval.score, as the
-model and the k-mer baseline are. Fine-tuning trains the head on the best candidate; a tie keeps the earlier one in
-the order below, so the final norm and mean pooling (a run's choice when it sets neither) win ties.
+sample, fewer where one split's features of every candidate would pass FEATURE_BYTES) are standardised and fitted
+with scikit-learn's logistic regression (ridge for regression), C = 1, and the probe is scored on as many validation
+examples by the run's metric with task_eval.score, as the model and the k-mer baseline are. Fine-tuning trains the
+head on the best candidate; a tie keeps the earlier one in the order below, so the final norm and mean pooling (a
+run's choice when it sets neither) win ties.
 
     layers     -1 (the final norm, what the LM head reads), then up to MAX_BLOCKS blocks evenly spaced, the deepest
                first (every block of a model with at most MAX_BLOCKS); --model.layer set: that layer alone
@@ -36,6 +37,7 @@ from megagenome.train import engine as ds
 
 MAX_EXAMPLES = 2000  # training (and validation) examples the probes see: a seeded sample beyond this
 MAX_POSITIONS = 50_000  # per-base tasks: labelled bases per split
+FEATURE_BYTES = 512 << 20  # the features of one split, all pairs: fewer examples (or bases) for a wide model
 MAX_BLOCKS = 4  # block outputs tried besides the final norm
 POOLINGS = ("mean", "last", "centre")
 
@@ -59,8 +61,11 @@ def choose(module, data, metric: str, pairs: list[tuple[int, str]], micro: int, 
         layer, pooling = pairs[0]
         why = "set" if len(pairs) == 1 else "no validation split: the first candidate"
         return {"layer": layer, "pooling": pooling, "metric": None, "by_choice": {}, "why": why}
-    sets = {split: _sample(data.splits[split], split) for split in ("train", "validation")}
-    features = {split: _features(module, data.task, examples, pairs, micro, rank, world, to_device)
+    per_row = 4 * module.head.linear.in_features * len(pairs)  # float32 bytes of one example's (or base's) features
+    rows = max(1, FEATURE_BYTES // per_row)
+    limit = min(rows, MAX_EXAMPLES if data.task != "per_base" else MAX_POSITIONS)
+    sets = {split: _sample(data.splits[split], split, limit) for split in ("train", "validation")}
+    features = {split: _features(module, data.task, examples, pairs, limit, micro, rank, world, to_device)
                 for split, examples in sets.items()}  # fmt: skip
     choice = _fit(data, metric, pairs, features) if rank == 0 else None
     return ds.broadcast_object(choice) if world > 1 else choice
@@ -72,18 +77,20 @@ def label(layer: int, pooling: str, task: str) -> str:
     return where if task == "per_base" else f"{where}, {pooling}"
 
 
-def _sample(examples: list, split: str) -> list:
-    if len(examples) <= MAX_EXAMPLES:
+def _sample(examples: list, split: str, limit: int) -> list:
+    """At most `limit` of the examples (MAX_EXAMPLES or fewer), a seeded sample in order."""
+    limit = min(limit, MAX_EXAMPLES)
+    if len(examples) <= limit:
         return list(examples)
-    keep = np.sort(np.random.default_rng([0, split == "train"]).choice(len(examples), MAX_EXAMPLES, replace=False))
+    keep = np.sort(np.random.default_rng([0, split == "train"]).choice(len(examples), limit, replace=False))
     return [examples[i] for i in keep]
 
 
-def _features(module, task: str, examples: list, pairs, micro: int, rank: int, world: int, to_device) -> dict:
-    """{"pairs": {pair: (N, d) float32}, "labels": (N,)} of the examples (per-base: of up to MAX_POSITIONS of their
+def _features(module, task: str, examples: list, pairs, limit, micro: int, rank: int, world: int, to_device) -> dict:
+    """{"pairs": {pair: (N, d) float32}, "labels": (N,)} of the examples (per-base: of about `limit` of their
     labelled bases), every rank's share gathered in example order."""
     layers = sorted({n for n, _ in pairs})
-    per_example = max(1, MAX_POSITIONS // max(1, len(examples)))
+    per_example = max(1, limit // max(1, len(examples)))
     mine = []
     was_training = module.training
     module.eval()
