@@ -307,6 +307,7 @@ def test_tensorboard_and_report(tuned, tmp_path):
     assert out.returncode == 0, out.stderr
     report = (tmp_path / "report.md").read_text()
     assert "## The best checkpoint" in report and "spearman" in report
+    assert "pooling (chosen by linear probes on validation spearman; outputs averaged over both strands) |" in report
     assert "| validation, k-mer baseline | 25 |" in report and "The k-mer baseline: k-mer composition, ridge" in report
     assert (tmp_path / "spearman.png").exists() and (tmp_path / "loss.png").exists()
 

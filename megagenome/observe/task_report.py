@@ -65,7 +65,7 @@ def markdown(records: RunRecords, task: dict, drawn: dict[str, str], skipped: di
             f"`{task['pretrained']['path']}`: {model.get('family', 'transformer')}, "
             f"{model['n_layer']} layers, d_model {model['d_model']}",
         ),  # fmt: skip
-        ("fine-tuning", f"{how}; head on layer {task['layer']}, {task['pooling']} pooling"),
+        ("fine-tuning", f"{how}; head on layer {task['layer']}, {task['pooling']} pooling{_head_notes(task)}"),
         ("examples", ", ".join(f"{k} {v:,}" for k, v in sizes.items())),
         ("steps", f"{train[-1]['step'] if train else 0:,} of {(config.get('train') or {}).get('max_steps', '?')}"),
     ]
@@ -122,3 +122,13 @@ def main(ns) -> int:
     for name, why in result["skipped"].items():
         print(f"  not drawn: {name}.png ({why})")
     return 0
+
+
+def _head_notes(task: dict) -> str:
+    """How the head input was chosen and whether outputs average both strands, for the facts table."""
+    notes = []
+    if (task.get("head_input") or {}).get("by_choice"):
+        notes.append(f"chosen by linear probes on validation {task['head_input']['metric']}")
+    if task.get("rc_average"):
+        notes.append("outputs averaged over both strands")
+    return f" ({'; '.join(notes)})" if notes else ""
