@@ -15,7 +15,9 @@ region and no window crosses into it; validation is a stratified 10% of the trai
 
 Arms (ARMS): `default` adds no flag (lr a quarter of the pretraining run's peak, reverse complements at 0.5 and
 evaluation on both strands, the head's layer and pooling chosen by linear probes on validation); `scratch` is the
-same from random weights (--model.init random), the control that shows what pretraining bought. The others change
+same from random weights (--model.init random), the control that shows what pretraining bought; default_seed_N
+repeat the default under other seeds of the validation split, the training order and the head (the k-mer baseline
+is refitted on each split). The others change
 one thing at a time, most with the head on the final norm, mean pooled (FIXED): the probes' choice against none,
 evaluation on one strand, no reverse complements, the head's learning rate, lower learning rates (lr_1e-4 is the
 recipe before the defaults changed), the controls under the same flags, last-base pooling and a linear probe of the
@@ -56,6 +58,8 @@ FIXED = ["--model.layer", "-1", "--model.pooling", "mean"]  # the head input of 
 NO_RC = ["--data.rc_prob", "0"]
 ARMS = {  # name: flags on top of `megagenome finetune`'s defaults (module docstring)
     "default": [],
+    "default_seed_2": ["--train.seed", "2", "--data.seed", "2"],  # another validation split, order and head draw
+    "default_seed_3": ["--train.seed", "3", "--data.seed", "3"],
     "scratch": ["--model.init", "random"],
     "final_mean": FIXED,
     "one_strand_eval": ["--model.rc_average", "false"],
