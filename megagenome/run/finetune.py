@@ -260,7 +260,8 @@ def _head_input(p: Prepared, engine, rank: int, world: int, to_device) -> tuple[
     m = p.cfg.model
     if m.layer is not None and m.pooling is not None:
         return p, None
-    choice = _earlier_choice(p.cfg)
+    choice = _earlier_choice(p.cfg) if rank == 0 else None  # rank 0's reading, so that every rank probes or none
+    choice = ds.broadcast_object(choice) if world > 1 else choice
     if choice is None:
         pairs = task_probe.candidates(p.model_cfg.n_layer, p.data.task, m.layer, m.pooling)
         micro = p.cfg.train.micro_batch_size
