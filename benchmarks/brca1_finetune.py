@@ -96,6 +96,14 @@ def build_task(path: str, window: int, test_fold: int) -> dict:
     return manifest
 
 
+def task_summary(manifest: dict) -> dict:
+    """What the results record keeps of the task (the manifest's per-SNV rows stay in --work)."""
+    v = manifest["variants"]
+    counts = {s: sum(r["split"] == s for r in v) for s in ("train", "test")}
+    lof = sum(r["split"] == "test" and r["label"] == "LOF" for r in v)
+    return {k: manifest[k] for k in ("window", "test_fold", "splitter")} | {"snvs": counts, "test_lof": lof}
+
+
 def onehot_baseline(manifest: dict, bootstrap: int) -> dict:
     """supervised_vep's `logistic` classifier on one-hot REF and ALT bases, fitted on the training SNVs: test AUROC,
     its interval and the test SNVs' probabilities of LOF in test.csv's order ("p", which the record leaves out)."""
@@ -172,8 +180,7 @@ def finetune(run_dir: str, task: str, work: str, bootstrap: int, bases: np.ndarr
 
 def markdown(record: dict) -> str:
     m, base = record["task"], record["onehot"]
-    n = {s: sum(v["split"] == s for v in m["variants"]) for s in ("train", "test")}
-    lof = sum(v["split"] == "test" and v["label"] == "LOF" for v in m["variants"])
+    n, lof = m["snvs"], m["test_lof"]
     split = f"fold {m['test_fold']} of {FOLDS} ({m['splitter']} over {BLOCK}-base blocks, seed {SEED})"
     lines = ["# BRCA1 variant effects by fine-tuning, against the bases alone", "", *harness.header(record["meta"]),
              f"- task: {n['train']} training and {n['test']} test SNVs ({lof} LOF), ALT windows of {m['window']} "
@@ -229,7 +236,7 @@ def main(argv=None) -> int:
             "hardware": harness.hardware(), "software": harness.software()}  # fmt: skip
     onehot = onehot_baseline(manifest, args.bootstrap)
     bases = onehot.pop("p")
-    record = {"meta": meta, "task": manifest, "onehot": onehot, "runs": []}
+    record = {"meta": meta, "task": task_summary(manifest), "onehot": onehot, "runs": []}
     for run_dir in args.runs:
         if not supervised_vep.trained(run_dir) and args.train_missing:
             train_run(run_dir)

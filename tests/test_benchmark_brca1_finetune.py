@@ -44,12 +44,14 @@ def test_the_task_holds_out_whole_blocks_of_alt_windows(tmp_path):
 
 def test_the_report_puts_each_model_beside_the_bases():
     variants = [{"split": "train", "label": "LOF"}, {"split": "test", "label": "LOF"}, {"split": "test", "label": "x"}]
+    manifest = {"window": 512, "test_fold": 0, "splitter": "StratifiedGroupKFold", "variants": variants}
     meta = {"date": "2026-12-07", "command": "python benchmarks/brca1_finetune.py", "hardware": "cpu", "software": "s"}
     run = {"run_dir": "/r/hyena", "family": "hyena", "lr": 5e-4, "best_step": 300, "last_step": 800,
            "test": {"auroc": 0.7, "mcc": 0.2}, "ci95": [0.66, 0.74], "baseline": {"test": {"auroc": 0.55}},
            "head_input": {"layer": 2, "pooling": "centre"},
            "against_bases": {"delta": 0.08, "ci95": [0.01, 0.15]}}  # fmt: skip
-    task = {"window": 512, "test_fold": 0, "splitter": "StratifiedGroupKFold", "variants": variants}
+    task = bench.task_summary(manifest)
+    assert task["snvs"] == {"train": 1, "test": 2} and task["test_lof"] == 1 and "variants" not in task
     worse = dict(run, family="transformer", against_bases={"delta": -0.08, "ci95": [-0.15, -0.01]})
     runs = [run, worse, dict(run, family="gpn", against_bases={"delta": 0.0, "ci95": [-0.05, 0.05]})]
     runs.append({"run_dir": "/r/x", "missing": "m"})
