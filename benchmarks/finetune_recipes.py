@@ -17,11 +17,10 @@ Arms (ARMS): `default` adds no flag (lr a quarter of the pretraining run's peak,
 evaluation on both strands, the head's layer and pooling chosen by linear probes on validation); `scratch` is the
 same from random weights (--model.init random), the control that shows what pretraining bought; default_seed_N
 repeat the default under other seeds of the validation split, the training order and the head (the k-mer baseline
-is refitted on each split). The others change
-one thing at a time, most with the head on the final norm, mean pooled (FIXED): the probes' choice against none,
-evaluation on one strand, no reverse complements, the head's learning rate, lower learning rates (lr_1e-4 is the
-recipe before the defaults changed), the controls under the same flags, last-base pooling and a linear probe of the
-frozen backbone.
+is refitted on each split). The others change one thing at a time, most with the head on the final norm, mean pooled
+(FIXED): the probes' choice against none, evaluation on one strand, no reverse complements, the head's learning rate,
+lower learning rates (lr_1e-4 is the recipe before the defaults changed), the controls under the same flags,
+last-base pooling and a linear probe of the frozen backbone.
 
 Designed to finish in pieces: an invocation starts no arm after --budget_minutes (default 40; an arm takes 3-12 min
 on 2 cores), and benchmarks/results/finetune_recipes.{json,md} are rewritten after every arm, keeping the arms that
@@ -173,8 +172,9 @@ def markdown(record: dict) -> str:
                       "input given runs no probe; --data.rc_prob 0 or --model.rc_average false evaluates one strand, "
                       "as before): " + "; ".join(earlier) + ".", ""]  # fmt: skip
     lines += [
-        "The k-mer baseline is the same in every arm of a task (the same windows, fitted on the training split and "
-        "chosen on validation by MCC); margin: the model's test MCC minus the baseline's. wall s: the finetune "
+        "The k-mer baseline is the same in every arm of a task with the default --data.seed (the same windows and "
+        "split, fitted on the training split and chosen on validation by MCC; a default_seed_N arm refits it on its "
+        "own split); margin: the model's test MCC minus the baseline's. wall s: the finetune "
         "command's, start-up, evaluations and the test included, on 2 cores shared with whatever else ran (load "
         "before and after in the JSON): compare within a row's own load only.",
         "",
