@@ -226,6 +226,9 @@ def main(argv=None) -> int:
     args = parse_args(harness.argv_of(argv))
     out = pathlib.Path(args.out)
     if args.render_only:
+        if not out.with_suffix(".json").exists():
+            print(f"brca1_finetune: --render_only: no {out.with_suffix('.json')} to render", file=sys.stderr)
+            return 2
         record = json.loads(out.with_suffix(".json").read_text())
         harness.write_text(out.with_suffix(".md"), markdown(record))
         return 0

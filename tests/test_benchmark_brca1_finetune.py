@@ -65,3 +65,8 @@ def test_the_report_puts_each_model_beside_the_bases():
     assert "| -0.080 [-0.150, -0.010] | no, below |" in md and "| +0.000 [-0.050, +0.050] | not distinguishable |" in md
     assert "| /r/x | m |" in md
     assert np.isclose(record["onehot"]["auroc"], 0.62)
+
+
+def test_render_only_without_results_is_refused(tmp_path, capsys):
+    assert bench.main(["--render_only", "--out", str(tmp_path / "none")]) == 2
+    assert "no " in capsys.readouterr().err and not list(tmp_path.iterdir())
