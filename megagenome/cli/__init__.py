@@ -180,8 +180,10 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
             logging.getLogger(logger).setLevel(logging.ERROR)
     if name in OWN_SIGNALS:
         _cpu_accelerator_when_no_other()
-    if name in OWN_SIGNALS or debug:
-        return main(parsed)
+    if name in OWN_SIGNALS:
+        return main(parsed)  # they tear their process group down themselves (run/pretrain.py, run/finetune.py)
+    if debug:
+        return _close_world(main(parsed))
     prog = f"{PROG} {name}"
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {signum: signal.getsignal(signum) for signum in SIGNAL_EXIT}
@@ -189,7 +191,7 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
         for signum in SIGNAL_EXIT:
             signal.signal(signum, _interrupt)
     try:
-        return main(parsed)
+        return _close_world(main(parsed))
     except (KeyboardInterrupt, Interrupted) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"{prog}: interrupted ({signal.Signals(signum).name}); stopped with nothing written", file=sys.stderr)
@@ -202,6 +204,23 @@ def run_command(name: str, parsed: Parsed, debug: bool = False) -> int:
             for signum, handler in previous.items():
                 if handler is not None:  # None: a handler not installed from Python, left as it is
                     signal.signal(signum, handler)
+
+
+def _close_world(rc: int) -> int:
+    """An inference command's process group (after_training/inference.py start_world), torn down before the
+    interpreter exits: left to interpreter teardown, gloo can abort a rank whose peer has already gone ("terminate
+    called without an active exception", exit -6) after every output was written. A command that ended well meets
+    the other ranks at a barrier first; one that failed only drops its own group, since its peers may not come."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return rc
+    if rc == 0:
+        from megagenome.train import engine
+
+        engine.shutdown()
+    else:
+        dist.destroy_process_group()
+    return rc
 
 
 def _cpu_accelerator_when_no_other() -> None:
