@@ -49,10 +49,14 @@ GENOMES = {
     "scerevisiae": "tests/data/scerevisiae_S288C_ASM205763v1.fa.bgz",
     "lambda": "tests/data/lambda_NC_001416.1.fa.gz",
 }
-TASKS = {  # name: (species, window, training windows per class, test windows per class)
-    "two_species": (("ecoli", "saureus"), 512, 400, 100),
-    "species": (("ecoli", "saureus", "scerevisiae", "lambda"), 256, 400, 100),
+TASKS = {  # name: (species, window, training windows per class, test windows per class, test fraction)
+    "two_species": (("ecoli", "saureus"), 512, 400, 100, 0.2),
+    "species": (("ecoli", "saureus", "scerevisiae", "lambda"), 256, 400, 100, 0.2),
+    # Test windows only from the last 5% of each genome: E. coli's lie inside the default job's held-out range
+    # (K-12-MG1655:4400001-4639675), so no test base was in the model's pretraining; 250 per class for resolution.
+    "two_species_held_out": (("ecoli", "saureus"), 512, 400, 250, 0.05),
 }
+BOOTSTRAP = 2000  # resamples of the test windows for the margin's paired 95% interval (numpy default_rng(0))
 FIXED = ["--model.layer", "-1", "--model.pooling", "mean"]  # the head input of every run before the probes chose it
 NO_RC = ["--data.rc_prob", "0"]
 ARMS = {  # name: flags on top of `megagenome finetune`'s defaults (module docstring)
@@ -85,11 +89,7 @@ def model_identity(model: str) -> dict:
         with open(summary, encoding="utf-8") as fh:
             s = json.load(fh)
         return {"steps": s.get("steps"), "heldout_bits_per_base": s.get("heldout_bits_per_base")}
-    digest = hashlib.sha256()
-    with open(os.path.join(model, "model.safetensors"), "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return {"export": digest.hexdigest()}
+    return {"export": _sha256(os.path.join(model, "model.safetensors"))}
 
 
 def kept(previous: dict | None, model: str, identity: dict) -> dict:
@@ -104,10 +104,72 @@ def build_task(name: str, work: str) -> str:
 
     path = os.path.join(work, "tasks", name)
     if not os.path.exists(os.path.join(path, "manifest.json")):
-        species, window, train, test = TASKS[name]
+        species, window, train, test, fraction = TASKS[name]
         genomes = {s: str(harness.REPO / GENOMES[s]) for s in species}
-        build_species_task(genomes, path, window=window, train_per_class=train, test_per_class=test)
+        build_species_task(genomes, path, window, train, test, test_fraction=fraction)
     return path
+
+
+def pretraining_overlap(model: str, task_dir: str) -> dict | None:
+    """How many of the task's test windows from the model's pretraining genome lie wholly inside its held-out
+    ranges (the rest were in its pretraining data): {"species", "test_windows", "in_held_out"}, or None where the
+    model is not a run directory or pretrained on none of the task's genomes."""
+    import yaml
+
+    from megagenome.config.sections import parse_region
+
+    config = os.path.join(model, "config.yaml")
+    if not os.path.exists(config):
+        return None
+    with open(config, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh).get("data", {})
+    with open(os.path.join(task_dir, "manifest.json"), encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    fasta = os.path.join(harness.REPO, data.get("fasta") or "")
+    if not os.path.isfile(fasta):
+        return None
+    digest = _sha256(fasta)  # the task may have been built from another checkout's copy of the genome
+    species = [s for s, g in manifest["genomes"].items() if g["sha256"] == digest]
+    if not species:
+        return None
+    held_out = [parse_region(r) for r in data.get("val_ranges") or []]
+    tests = [w for w in manifest["windows"] if w["species"] == species[0] and w["split"] == "test"]
+    inside = sum(any(w["contig"] == r.contig and r.start < w["start"] and w["end"] <= r.end for r in held_out)
+                 for w in tests)  # fmt: skip
+    return {"species": species[0], "test_windows": len(tests), "in_held_out": inside}
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def margin_interval(run_dir: str, resamples: int = BOOTSTRAP) -> list[float] | None:
+    """A paired bootstrap 95% interval of the test MCC margin (model minus k-mer baseline): the test windows of
+    predictions_test.tsv resampled with replacement, both predictions of a window kept together."""
+    import numpy as np
+    from sklearn.metrics import matthews_corrcoef
+
+    path = os.path.join(run_dir, "predictions_test.tsv")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        rows = [line.rstrip("\n").split("\t") for line in fh]
+    head, rows = rows[0], rows[1:]
+    if "baseline_predicted" not in head:
+        return None
+    label, model, base = (
+        np.array([r[head.index(c)] for r in rows]) for c in ("label", "predicted", "baseline_predicted")
+    )
+    rng = np.random.default_rng(0)
+    margins = []
+    for _ in range(resamples):
+        i = rng.integers(0, len(rows), len(rows))
+        margins.append(matthews_corrcoef(label[i], model[i]) - matthews_corrcoef(label[i], base[i]))
+    return [float(np.percentile(margins, 2.5)), float(np.percentile(margins, 97.5))]
 
 
 def run_arm(model: str, task: str, arm: str, work: str) -> dict:
@@ -136,6 +198,7 @@ def run_arm(model: str, task: str, arm: str, work: str) -> dict:
         "validation": s["validation"],
         "baseline": s["baseline"],
         "head_input": s.get("head_input"),
+        "margin_ci95": margin_interval(run_dir),
         "wall_s": wall,
         "load": load if wall is not None else None,
         "measured": {"date": harness.today(), "commit": harness.git_commit(), "hardware": harness.hardware()},
@@ -146,9 +209,14 @@ def markdown(record: dict) -> str:
     lines = ["# Fine-tuning recipes against the k-mer baseline", "", *harness.header(record["meta"]),
              f"- pretrained model: `{record['model']}` ({_identity(record.get('model_identity'))})", ""]  # fmt: skip
     for task, arms in record["results"].items():
-        species, window, train, test = TASKS[task]
-        lines += [f"## {task}: {', '.join(species)}; {window}-base windows, {train} training and {test} test per class",
-                  ""]  # fmt: skip
+        species, window, train, test, fraction = TASKS[task]
+        lines += [f"## {task}: {', '.join(species)}; {window}-base windows, {train} training and {test} test per "
+                  f"class, test windows from the last {fraction:.0%} of each genome", ""]  # fmt: skip
+        overlap = record.get("tasks", {}).get(task, {}).get("pretraining_overlap")
+        if overlap:
+            lines += [f"Test windows of {overlap['species']} (the model's pretraining genome) inside its held-out "
+                      f"range: {overlap['in_held_out']} of {overlap['test_windows']}; the rest were in its "
+                      "pretraining data, unlabelled.", ""]  # fmt: skip
         rows = []
         for arm, r in arms.items():
             if "failed" in r:
@@ -157,6 +225,8 @@ def markdown(record: dict) -> str:
             t, b = r["test"], r["baseline"].get("test") or {}
             both = t.get("mcc") is not None and b.get("mcc") is not None
             margin = f"{t['mcc'] - b['mcc']:+.3f}" if both else "-"
+            if both and r.get("margin_ci95"):
+                margin += " [{:+.3f}, {:+.3f}]".format(*r["margin_ci95"])
             wall = f"{r['wall_s']:.0f}" if r.get("wall_s") else "-"
             stop = f"{r['best_step']} of {r['last_step']}" + (" (early stop)" if r["stopped_early"] else "")
             baseline = f"{_num(b.get('mcc'))} ({r['baseline'].get('choice', 'failed')})"
@@ -174,9 +244,10 @@ def markdown(record: dict) -> str:
     lines += [
         "The k-mer baseline is the same in every arm of a task with the default --data.seed (the same windows and "
         "split, fitted on the training split and chosen on validation by MCC; a default_seed_N arm refits it on its "
-        "own split); margin: the model's test MCC minus the baseline's. wall s: the finetune "
-        "command's, start-up, evaluations and the test included, on 2 cores shared with whatever else ran (load "
-        "before and after in the JSON): compare within a row's own load only.",
+        "own split); margin: the model's test MCC minus the baseline's, with a paired bootstrap 95% interval over the "
+        f"test windows ({BOOTSTRAP} resamples; where it spans 0 the two are not told apart on this test set). "
+        "wall s: the finetune command's, start-up, evaluations and the test included, on 2 cores shared with "
+        "whatever else ran (load before and after in the JSON): compare within a row's own load only.",
         "",
     ]
     return "\n".join(lines)
@@ -231,12 +302,18 @@ def main(argv=None) -> int:
     meta = {"date": harness.today(), "command": harness.command("finetune_recipes.py", harness.argv_of(argv)),
             "hardware": harness.hardware(), "software": harness.software()}  # fmt: skip
     identity = model_identity(model)
-    record = {"meta": meta, "model": model, "model_identity": identity, "results": kept(previous, model, identity)}
+    results = kept(previous, model, identity)
+    tasks = (previous or {}).get("tasks", {}) if results else {}
+    record = {"meta": meta, "model": model, "model_identity": identity, "tasks": tasks, "results": results}
     deadline = time.monotonic() + 60 * args.budget_minutes
     for task in args.tasks:
+        overlap = pretraining_overlap(model, build_task(task, args.work))
+        record["tasks"].setdefault(task, {})["pretraining_overlap"] = overlap
         for arm in args.arms:
             done = record["results"].get(task, {}).get(arm)
             if done and "failed" not in done:
+                if done.get("margin_ci95") is None:  # measured before the interval was: from its run if still there
+                    done["margin_ci95"] = margin_interval(os.path.join(args.work, "runs", task, arm))
                 continue
             if time.monotonic() > deadline:
                 print(f"finetune_recipes: budget spent; {task}/{arm} and later arms next time", flush=True)
