@@ -12,6 +12,11 @@ region and no window crosses into it; validation is a stratified 10% of the trai
                 region holds its held-out range), 512-base windows, 400 training and 100 test windows per class
   species       benchmarks/species_task.py's four species (E. coli, S. aureus, S. cerevisiae, phage lambda),
                 256-base windows, 400 and 100 per class
+  two_species_held_out  as two_species with the test region the last 5% of each genome: every E. coli test window
+                lies inside the default job's held-out range, so the model never saw a test base; 250 test per class
+The tasks with a 20% test region hold E. coli test windows that the model saw in pretraining (unlabelled); the
+results say how many, and give each class's test windows right, model against baseline, to show where a margin
+comes from. Each margin has a paired bootstrap 95% interval over the test windows (from predictions_test.tsv).
 
 Arms (ARMS): `default` adds no flag (lr a quarter of the pretraining run's peak, reverse complements at 0.5 and
 evaluation on both strands, the head's layer and pooling chosen by linear probes on validation); `scratch` is the
@@ -147,29 +152,31 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def margin_interval(run_dir: str, resamples: int = BOOTSTRAP) -> list[float] | None:
-    """A paired bootstrap 95% interval of the test MCC margin (model minus k-mer baseline): the test windows of
-    predictions_test.tsv resampled with replacement, both predictions of a window kept together."""
+def from_predictions(run_dir: str, resamples: int = BOOTSTRAP) -> dict:
+    """What the run's predictions_test.tsv tells beyond its summary (None each where it is gone):
+    margin_ci95, a paired bootstrap 95% interval of the test MCC margin (model minus k-mer baseline; the test windows
+    resampled with replacement, both predictions of a window kept together); recall, each class's windows the model
+    and the baseline got right, [model, baseline, windows]."""
     import numpy as np
     from sklearn.metrics import matthews_corrcoef
 
     path = os.path.join(run_dir, "predictions_test.tsv")
     if not os.path.exists(path):
-        return None
+        return {"margin_ci95": None, "recall": None}
     with open(path, encoding="utf-8") as fh:
         rows = [line.rstrip("\n").split("\t") for line in fh]
     head, rows = rows[0], rows[1:]
-    if "baseline_predicted" not in head:
-        return None
     label, model, base = (
         np.array([r[head.index(c)] for r in rows]) for c in ("label", "predicted", "baseline_predicted")
     )
+    recall = {c: [int((model[label == c] == c).sum()), int((base[label == c] == c).sum()), int((label == c).sum())]
+              for c in sorted(set(label))}  # fmt: skip
     rng = np.random.default_rng(0)
     margins = []
     for _ in range(resamples):
         i = rng.integers(0, len(rows), len(rows))
         margins.append(matthews_corrcoef(label[i], model[i]) - matthews_corrcoef(label[i], base[i]))
-    return [float(np.percentile(margins, 2.5)), float(np.percentile(margins, 97.5))]
+    return {"margin_ci95": [float(np.percentile(margins, 2.5)), float(np.percentile(margins, 97.5))], "recall": recall}
 
 
 def run_arm(model: str, task: str, arm: str, work: str) -> dict:
@@ -198,7 +205,7 @@ def run_arm(model: str, task: str, arm: str, work: str) -> dict:
         "validation": s["validation"],
         "baseline": s["baseline"],
         "head_input": s.get("head_input"),
-        "margin_ci95": margin_interval(run_dir),
+        **from_predictions(run_dir),
         "wall_s": wall,
         "load": load if wall is not None else None,
         "measured": {"date": harness.today(), "commit": harness.git_commit(), "hardware": harness.hardware()},
@@ -234,7 +241,7 @@ def markdown(record: dict) -> str:
             rows.append([arm, f"`{r['flags']}`", _head(r.get("head_input")), stop, *cells])
         cols = ["arm", "flags", "head input", "best step", "test accuracy", "test MCC", "k-mer baseline test MCC",
                 "margin", "test AUROC", "wall s"]  # fmt: skip
-        lines += harness.table(cols, rows) + [""]
+        lines += harness.table(cols, rows) + [""] + _recall_table(arms)
         earlier = [f"`{arm}` as {r['measured_as']} at {r['measured']['commit']}"
                    for arm, r in arms.items() if r.get("measured_as")]  # fmt: skip
         if earlier:
@@ -251,6 +258,17 @@ def markdown(record: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _recall_table(arms: dict) -> list[str]:
+    """Each class's test windows right, model / k-mer baseline, per arm (where its predictions were read)."""
+    read = {arm: r["recall"] for arm, r in arms.items() if r.get("recall")}
+    if not read:
+        return []
+    classes = sorted({c for recall in read.values() for c in recall})
+    rows = [[arm] + [("{} / {} of {}".format(*recall[c]) if c in recall else "-") for c in classes]
+            for arm, recall in read.items()]  # fmt: skip
+    return ["Test windows right by class, model / k-mer baseline:", "", *harness.table(["arm", *classes], rows), ""]
 
 
 def _head(chosen: dict | None) -> str:
@@ -312,8 +330,8 @@ def main(argv=None) -> int:
         for arm in args.arms:
             done = record["results"].get(task, {}).get(arm)
             if done and "failed" not in done:
-                if done.get("margin_ci95") is None:  # measured before the interval was: from its run if still there
-                    done["margin_ci95"] = margin_interval(os.path.join(args.work, "runs", task, arm))
+                if done.get("recall") is None:  # measured before these were read: from its run if still there
+                    done.update(from_predictions(os.path.join(args.work, "runs", task, arm)))
                 continue
             if time.monotonic() > deadline:
                 print(f"finetune_recipes: budget spent; {task}/{arm} and later arms next time", flush=True)
