@@ -16,6 +16,7 @@ from support.helpers import REPO, cli_here, copy_genome, final_ds_config, tiny_c
 from support.helpers import run_config as parse
 
 from megagenome.config import ConfigError
+from megagenome.files.run_files import UNIVERSAL
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.run.assembly import validate
 from megagenome.train import checkpoint, universal
@@ -138,7 +139,7 @@ def test_convert_refuses_universal_pipeline_and_zero0_sources(tmp_path):
 
 def test_convert_refuses_to_overwrite(tmp_path):
     tag = fake_tag(tmp_path, layout(2), shards=2)
-    (tmp_path / "run" / checkpoint.UNIVERSAL_ROOT / tag.name).mkdir(parents=True)
+    (tmp_path / "run" / UNIVERSAL / tag.name).mkdir(parents=True)
     with pytest.raises(ValueError, match="already exists"):
         checkpoint.convert_to_universal(str(tmp_path / "run"))
 

@@ -381,3 +381,20 @@ def test_import_formats_are_the_registry():
     from megagenome.model import PUBLISHED
 
     assert set(FORMATS) == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("rc", [0, 2])
+def test_an_inference_commands_process_group_is_torn_down_before_exit(rc):
+    """An inference command's gloo group, left to interpreter teardown, once aborted a rank of a 2-rank `embed`
+    after its outputs were written (exit -6, "terminate called without an active exception"); run_command now
+    closes it: through the barrier when the command ended well, alone when it failed."""
+    import torch.distributed as dist
+    from support.helpers import world_of_one
+
+    from megagenome.cli import _close_world
+
+    with world_of_one():
+        assert dist.is_initialized()
+        assert _close_world(rc) == rc
+        assert not dist.is_initialized()
+    assert _close_world(rc) == rc  # no group: nothing to do

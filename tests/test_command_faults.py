@@ -222,20 +222,3 @@ def test_a_cpu_run_too_large_for_the_machine_is_refused_before_it_starts(monkeyp
         host_memory.refuse_if_too_large(big, 8)  # what run/pretrain.py calls right after validating
     monkeypatch.setenv(host_memory.SKIP, "1")
     assert host_memory.problems(big, 8, 8, available=20.5) == []
-
-
-@pytest.mark.parametrize("rc", [0, 2])
-def test_an_inference_commands_process_group_is_torn_down_before_exit(rc):
-    """An inference command's gloo group, left to interpreter teardown, once aborted a rank of a 2-rank `embed`
-    after its outputs were written (exit -6, "terminate called without an active exception"); run_command now
-    closes it: through the barrier when the command ended well, alone when it failed."""
-    import torch.distributed as dist
-    from support.helpers import world_of_one
-
-    from megagenome.cli import _close_world
-
-    with world_of_one():
-        assert dist.is_initialized()
-        assert _close_world(rc) == rc
-        assert not dist.is_initialized()
-    assert _close_world(rc) == rc  # no group: nothing to do

@@ -22,8 +22,9 @@ import textwrap
 import pytest
 from support.helpers import REPO, env
 
+from megagenome.files.run_files import LOCK
 from megagenome.observe.record import write_json
-from megagenome.run.lock import LOCK_FILE, RunLock, RunLocked
+from megagenome.run.lock import RunLock, RunLocked
 
 HOLD = textwrap.dedent(
     """
@@ -69,7 +70,7 @@ def holder(tmp_path):
 
 def test_second_run_is_refused_then_takes_over_after_a_kill(holder):
     run_dir, proc = holder
-    record = json.loads((run_dir / LOCK_FILE).read_text())
+    record = json.loads((run_dir / LOCK).read_text())
     assert record["pid"] == proc.pid and record["host"] == socket.gethostname()
     assert record["started"] and "-c" in record["argv"]
 
@@ -96,7 +97,7 @@ def test_release_lets_another_acquire_without_a_stale_note(tmp_path):
     lock.release()
     lock.release()  # twice is harmless
     assert not lock.held
-    record = json.loads((run_dir / LOCK_FILE).read_text())
+    record = json.loads((run_dir / LOCK).read_text())
     assert record["pid"] == os.getpid() and record["released"]
     took = attempt(run_dir)
     assert took.returncode == 0 and "NOTE None" in took.stdout, took.stdout + took.stderr

@@ -58,6 +58,7 @@ from megagenome.after_training.weights import (
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB, VOCAB_SIZE
 from megagenome.files.outputs import OutputError, check_outputs, describe_os_error, temporary_beside
+from megagenome.files.run_files import METRICS
 from megagenome.model import family_of
 from megagenome.observe.metrics import read_metrics
 from megagenome.train import checkpoint
@@ -269,7 +270,7 @@ def _provenance(source: str, read_from: str, run_cfg) -> dict:
     if step is None:
         step = int(os.path.basename(os.path.normpath(read_from)).split("_")[-1])
     out = {"run_dir": os.path.abspath(source), "checkpoint": os.path.abspath(read_from), "step": int(step)}
-    metrics = os.path.join(source, "metrics.jsonl")
+    metrics = os.path.join(source, METRICS)
     rows = read_metrics(metrics) if os.path.isfile(metrics) else []
     rows = [r for r in rows if r.get("split") == "val" and "bits_per_base" in r and r.get("step", 0) <= step]
     if rows:

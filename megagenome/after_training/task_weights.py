@@ -1,9 +1,9 @@
 """A fine-tuning run's weights (layer L4): its task model read back from a checkpoint, LoRA merged, and the head
 that an export carries beside the backbone.
 
-A `megagenome finetune` run directory is marked by task.json (TASK_RECORD: the task, classes, layer, pooling, LoRA
-settings, the regression target's scale and the backbone's ModelConfig). read_task_run rebuilds the task model
-from it, loads the checkpoint of the best step (best.json; or --step), whatever its ZeRO stage, folds LoRA's
+A `megagenome finetune` run directory is marked by task.json (files/run_files.py TASK: the task, classes, layer,
+pooling, LoRA settings, the regression target's scale and the backbone's ModelConfig). read_task_run rebuilds the
+task model from it, loads the checkpoint of the best step (best.json; or --step), whatever its ZeRO stage, folds LoRA's
 adapters into the backbone's weights (peft's merge) and returns the plain backbone's state dict, which everything
 that reads a pretrained model reads (export, embed, score-variants, eval), and the head's.
 
@@ -22,14 +22,13 @@ import torch
 
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.files.run_files import BEST, DS_CONFIG, SUMMARY, TASK
 from megagenome.model import family_of
 from megagenome.model import lora as lora_adapters
 from megagenome.model.heads import TaskModel
 from megagenome.train import checkpoint
 from megagenome.train.consolidate import CheckpointError, checkpoint_tag, module_shards
 
-TASK_RECORD = "task.json"  # what marks a fine-tuning run directory
-BEST = "best.json"  # the best step of a fine-tuning run and its validation value
 TASK_HEAD = "task_head.safetensors"
 HEAD_FIELDS = ("task", "classes", "layer", "pooling", "target_mean", "target_std", "metric")
 
@@ -47,11 +46,11 @@ class TaskWeights:
 
 
 def is_task_run(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, TASK_RECORD))
+    return os.path.isfile(os.path.join(path, TASK))
 
 
 def read_record(run_dir: str) -> dict:
-    with open(os.path.join(run_dir, TASK_RECORD), encoding="utf-8") as fh:
+    with open(os.path.join(run_dir, TASK), encoding="utf-8") as fh:
         return json.load(fh)
 
 
@@ -84,7 +83,7 @@ def read_task_run(run_dir: str, step: int | None = None) -> TaskWeights:
     """The weights of a fine-tuning run at `step` (default: its best step, else its newest checkpoint)."""
     record = read_record(run_dir)
     tag = checkpoint_tag(run_dir, step if step is not None else best_step(run_dir))
-    with open(os.path.join(run_dir, "ds_config.json"), encoding="utf-8") as fh:
+    with open(os.path.join(run_dir, DS_CONFIG), encoding="utf-8") as fh:
         ds_json = json.load(fh)
     state = module_shards(tag, ds_json)[0]
     model = empty_task_model(record)
@@ -108,7 +107,7 @@ def head_manifest(weights: TaskWeights, run_dir: str) -> dict:
     entry = {k: weights.record[k] for k in HEAD_FIELDS}
     entry["rc_average"] = bool(weights.record.get("rc_average", False))
     entry.update(head=TASK_HEAD, lora_merged=bool(weights.record.get("lora")), step=weights.step)
-    summary = os.path.join(run_dir, "summary.json")
+    summary = os.path.join(run_dir, SUMMARY)
     if os.path.isfile(summary):
         with open(summary, encoding="utf-8") as fh:
             done = json.load(fh)

@@ -24,6 +24,8 @@ import sys
 import time
 import warnings
 
+from megagenome.files.run_files import LAUNCHER_LOG, LOGS, rank_log
+
 QUIET = (
     # real_accelerator.py, on a machine without a GPU (launch/local.sh sets DS_ACCELERATOR=cpu there, which avoids
     # it; a run started otherwise still gets it once per process)
@@ -96,10 +98,6 @@ def route(source, console, log_path: str | None) -> None:
         log.close()
 
 
-def log_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "logs")
-
-
 class RankLogs:
     """This rank's <run dir>/logs/rank<N>.log for one run (close() undoes everything): DeepSpeed's logger at INFO
     into it, its stdout handler filtered by `shown`, Python warnings into it (shown too unless QUIET_CATEGORIES),
@@ -107,8 +105,8 @@ class RankLogs:
     handler exists only then; train/engine.py deepspeed_logger)."""
 
     def __init__(self, run_dir: str, rank: int, ds_logger: logging.Logger):
-        os.makedirs(log_dir(run_dir), exist_ok=True)
-        self.path = os.path.join(log_dir(run_dir), f"rank{rank}.log")
+        os.makedirs(os.path.join(run_dir, LOGS), exist_ok=True)
+        self.path = os.path.join(run_dir, rank_log(rank))
         self.stream = open(self.path, "a", encoding="utf-8", buffering=1)
         self.stream.write(_header(f"rank {rank}"))
         self.logger, self.level = ds_logger, ds_logger.level
@@ -183,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
             signal.signal(signum, signal.SIG_IGN)
         run_dir = argv[1] if len(argv) == 2 and argv[1] else None
-        route(sys.stdin.buffer, sys.stdout.buffer, os.path.join(log_dir(run_dir), "launcher.log") if run_dir else None)
+        route(sys.stdin.buffer, sys.stdout.buffer, os.path.join(run_dir, LAUNCHER_LOG) if run_dir else None)
         return 0
     print("usage: python -m megagenome.observe.console {run-dir PRETRAIN_ARGS... | route [RUN_DIR]}", file=sys.stderr)
     return 2

@@ -24,8 +24,7 @@ import os
 import secrets
 
 from megagenome.config import ConfigError, LogConfig
-
-WANDB_ID_FILE = os.path.join("wandb", "run_id")
+from megagenome.files.run_files import TENSORBOARD, WANDB_ID
 
 
 def scalars(row: dict) -> tuple[int, dict[str, float]]:
@@ -55,7 +54,7 @@ def import_wandb():
 
 def wandb_run_id(run_dir: str) -> str:
     """The W&B run id of a run directory: read from <run dir>/wandb/run_id, created there the first time."""
-    path = os.path.join(run_dir, WANDB_ID_FILE)
+    path = os.path.join(run_dir, WANDB_ID)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             return fh.read().strip()
@@ -91,7 +90,7 @@ class Dashboards:
 
     @property
     def tensorboard_dir(self) -> str:
-        return os.path.join(self.run_dir, "tensorboard")
+        return os.path.join(self.run_dir, TENSORBOARD)
 
     def truncate_after(self, step: int) -> None:
         """Resume after `step`: TensorBoard drops what an earlier invocation logged past it."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import yaml
 
 from megagenome.files.outputs import OutputError, check_outputs, staged
+from megagenome.files.run_files import CONFIG, METRICS, REPORT, SUMMARY
 from megagenome.observe.metrics import read_metrics
 
 
@@ -122,7 +123,7 @@ def _number(value) -> bool:
 
 def load(run_dir: str) -> RunRecords:
     """The records of a run directory; ReportError when it has no metrics.jsonl or no rows in it."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = os.path.join(run_dir, METRICS)
     if not os.path.isfile(path):
         what = "does not exist" if not os.path.isdir(run_dir) else "has no metrics.jsonl"
         raise ReportError(f"{run_dir} {what}: give a run directory of `megagenome pretrain` (--log.run_dir)")
@@ -137,7 +138,7 @@ def load(run_dir: str) -> RunRecords:
         with open(p, encoding="utf-8") as fh:
             return reader(fh)
 
-    return RunRecords(run_dir, rows, optional("summary.json", json.load), optional("config.yaml", yaml.safe_load))
+    return RunRecords(run_dir, rows, optional(SUMMARY, json.load), optional(CONFIG, yaml.safe_load))
 
 
 def figure(plot: Plot, records: RunRecords):
@@ -286,7 +287,7 @@ def _heldout_line(evals: list[dict], records: RunRecords) -> str:
 def markdown(records: RunRecords, drawn: dict[str, str], skipped: dict[str, str]) -> str:
     """report.md: the facts table, the model against every baseline, the plots (links), what was not drawn."""
     name = os.path.basename(os.path.abspath(records.run_dir))
-    sources = [n for n, have in (("summary.json", records.summary), ("config.yaml", records.config)) if have]
+    sources = [n for n, have in ((SUMMARY, records.summary), (CONFIG, records.config)) if have]
     lines = [
         f"# megagenome run report: {name}",
         "",
@@ -324,7 +325,7 @@ def markdown(records: RunRecords, drawn: dict[str, str], skipped: dict[str, str]
 def report(run_dir: str, output: str | None = None) -> dict:
     """Write the PNGs and report.md of `run_dir` into `output` (default run_dir/report). Returns {"report": path
     of report.md, "plots": {name: png path}, "skipped": {name: why}}."""
-    out = output or os.path.join(run_dir, "report")
+    out = output or os.path.join(run_dir, REPORT)
     try:  # before any work: report.md (and the PNGs beside it) can be written there
         check_outputs([("--output" if output else "the report directory", os.path.join(out, "report.md"))], True)
     except OutputError as e:

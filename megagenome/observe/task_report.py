@@ -19,6 +19,7 @@ import os
 import sys
 
 from megagenome.files.outputs import check_outputs
+from megagenome.files.run_files import REPORT, TASK
 from megagenome.observe.report import Plot, ReportError, RunRecords, draw, load, publish
 
 METRICS = {
@@ -43,7 +44,7 @@ def plots(task: str) -> list[Plot]:
 
 def report(records: RunRecords, out: str) -> dict:
     """Write the PNGs and report.md of a fine-tuning run's records into `out`; report.py's result dict."""
-    with open(os.path.join(records.run_dir, "task.json"), encoding="utf-8") as fh:
+    with open(os.path.join(records.run_dir, TASK), encoding="utf-8") as fh:
         task = json.load(fh)
     figures, skipped = draw(plots(task["task"]), records)
     path, drawn = publish(out, figures, lambda names: markdown(records, task, names, skipped))
@@ -105,12 +106,12 @@ def markdown(records: RunRecords, task: dict, drawn: dict[str, str], skipped: di
 
 
 def is_task_run(run_dir: str) -> bool:
-    return os.path.isfile(os.path.join(run_dir, "task.json"))
+    return os.path.isfile(os.path.join(run_dir, TASK))
 
 
 def main(ns) -> int:
     """`megagenome report RUN [--output DIR]` of a fine-tuning run: exit 0, or 2 with a message."""
-    out = getattr(ns, "output", None) or os.path.join(ns.run, "report")
+    out = getattr(ns, "output", None) or os.path.join(ns.run, REPORT)
     try:
         check_outputs([("--output", os.path.join(out, "report.md"))], overwrite=True)  # before any work
         records = load(ns.run)

@@ -30,6 +30,7 @@ from megagenome.data import fingerprint as data_fingerprint
 from megagenome.data import quick_checks
 from megagenome.data.dataset import GenomeData, build_genome_data, build_prepared_data
 from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.files.run_files import CHECKPOINTS, CONFIG
 from megagenome.model import family_of
 from megagenome.model.distill import Teacher
 from megagenome.parallel import pipeline
@@ -142,7 +143,7 @@ def _data(cfg: RootConfig, layout: ParallelLayout) -> tuple[GenomeData | None, l
 
 
 def checkpoint_root(cfg: RootConfig) -> str:
-    return os.path.join(cfg.log.run_dir, "checkpoints")
+    return os.path.join(cfg.log.run_dir, CHECKPOINTS)
 
 
 # ----- ranks, model, engine ---------------------------------------------------------------------------------------
@@ -346,8 +347,8 @@ def from_run_dir(run_dir: str, step: int | None = None, data: bool = True) -> tu
     """A finished (or stopped) run, assembled again in this world: its config.yaml, its newest complete checkpoint
     (or the one of `step`), loaded without its RNG state. Returns (run, validated, client state); `validated.data`
     is the run's data (data=True) with its held-out split. Under a launcher, every rank calls it."""
-    cfg = load_config(os.path.join(run_dir, "config.yaml"))
-    root = os.path.join(run_dir, "checkpoints")
+    cfg = load_config(os.path.join(run_dir, CONFIG))
+    root = os.path.join(run_dir, CHECKPOINTS)
     path = checkpoint.latest_complete(root) if step is None else os.path.join(root, checkpoint.tag_for(step))
     if path is None or not os.path.exists(os.path.join(path, checkpoint.MARKER)):
         raise ValueError(f"{run_dir}: no complete checkpoint{'' if step is None else f' of step {step}'} to load")

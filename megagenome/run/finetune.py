@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megagenome.after_training.task_weights import BEST, TASK_RECORD
 from megagenome.after_training.weights import read_weights
 from megagenome.config import ConfigError, TrainConfig
 from megagenome.config.finetune import (
@@ -48,6 +47,7 @@ from megagenome.config.finetune import (
 )
 from megagenome.config.load import locate
 from megagenome.data.task_batches import TrainBatches
+from megagenome.files.run_files import BEST, CHECKPOINTS, CONFIG, DS_CONFIG, ENV, METRICS, SUMMARY, TASK
 from megagenome.model import family_of
 from megagenome.model import lora as lora_adapters
 from megagenome.model.heads import FINAL_NORM, TaskModel, param_groups
@@ -173,12 +173,12 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
     record = task_record(p, model, choice)
     if rank == 0:
         _write_records(cfg, ds_conf, record, world)
-    root = os.path.join(cfg.log.run_dir, "checkpoints")
+    root = os.path.join(cfg.log.run_dir, CHECKPOINTS)
     metric = metric_of(cfg)
     stopping = EarlyStopping(metric, HIGHER_IS_BETTER[metric], cfg.train.patience)
     start, stopping = _resume(engine, cfg, root, rank, record, stopping)
     sinks = dashboards.for_run(_log_config(cfg), finetune_dict(cfg), rank)
-    writer = MetricsWriter(os.path.join(cfg.log.run_dir, "metrics.jsonl"), rank == 0, sinks)
+    writer = MetricsWriter(os.path.join(cfg.log.run_dir, METRICS), rank == 0, sinks)
     writer.truncate_after(start)
     evaluator = task_eval.Evaluator(engine, p.data, cfg.train.micro_batch_size, rank, world, to_device)
     batches = TrainBatches(
@@ -218,7 +218,7 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
     if choice is not None:
         summary["head_input"] = choice
     if rank == 0 and finished:
-        write_json(os.path.join(cfg.log.run_dir, "summary.json"), summary)
+        write_json(os.path.join(cfg.log.run_dir, SUMMARY), summary)
         _print_summary(cfg, summary)
     return summary
 
@@ -273,8 +273,8 @@ def _head_input(p: Prepared, engine, rank: int, world: int, to_device) -> tuple[
 
 def _earlier_choice(cfg: FinetuneConfig) -> dict | None:
     """The head input an earlier invocation of this run directory chose, when this one will resume from it."""
-    path = os.path.join(cfg.log.run_dir, TASK_RECORD)
-    root = os.path.join(cfg.log.run_dir, "checkpoints")
+    path = os.path.join(cfg.log.run_dir, TASK)
+    root = os.path.join(cfg.log.run_dir, CHECKPOINTS)
     if cfg.checkpoint.resume == "none" or not os.path.exists(path) or not checkpoint.complete_tags(root):
         return None
     with open(path, encoding="utf-8") as fh:
@@ -315,10 +315,10 @@ def task_record(p: Prepared, model: TaskModel, choice: dict | None = None) -> di
 
 def _write_records(cfg: FinetuneConfig, ds_conf: dict, record: dict, world: int) -> None:
     os.makedirs(cfg.log.run_dir, exist_ok=True)
-    write_yaml(os.path.join(cfg.log.run_dir, "config.yaml"), finetune_dict(cfg))
-    write_json(os.path.join(cfg.log.run_dir, "ds_config.json"), ds_conf)
-    write_json(os.path.join(cfg.log.run_dir, "env.json"), env_record(world, [socket.gethostname()], str(ds.device())))
-    write_json(os.path.join(cfg.log.run_dir, TASK_RECORD), record)
+    write_yaml(os.path.join(cfg.log.run_dir, CONFIG), finetune_dict(cfg))
+    write_json(os.path.join(cfg.log.run_dir, DS_CONFIG), ds_conf)
+    write_json(os.path.join(cfg.log.run_dir, ENV), env_record(world, [socket.gethostname()], str(ds.device())))
+    write_json(os.path.join(cfg.log.run_dir, TASK), record)
 
 
 def _log_config(cfg: FinetuneConfig):
@@ -362,7 +362,7 @@ def _test(engine, cfg, root: str, rank: int, stopping: EarlyStopping, evaluator,
         return summary
     baseline = _baseline(evaluator.data, stopping.metric)  # rank 0 alone, after the last collective
     for split, predictions in outputs.items():
-        path = os.path.join(cfg.log.run_dir, f"predictions_{split}.tsv")
+        path = os.path.join(cfg.log.run_dir, predictions(split))
         theirs = baseline["outputs"][split] if "outputs" in baseline else None
         task_eval.write_predictions(path, evaluator.data, split, predictions, theirs)
     summary["baseline"] = {k: v for k, v in baseline.items() if k != "outputs"}

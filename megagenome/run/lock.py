@@ -33,7 +33,7 @@ import os
 import socket
 import sys
 
-LOCK_FILE = ".megagenome.lock"
+from megagenome.files.run_files import LOCK
 
 
 class RunLocked(RuntimeError):
@@ -70,7 +70,7 @@ class RunLock:
 
     def __init__(self, run_dir: str):
         self.run_dir = os.fspath(run_dir)
-        self.path = os.path.join(self.run_dir, LOCK_FILE)
+        self.path = os.path.join(self.run_dir, LOCK)
         self.note: str | None = None
         self._fh = None
         self._pid = 0  # the process that acquired the lock: a forked child never releases it for its parent

@@ -35,6 +35,7 @@ import uuid
 
 import megagenome
 from megagenome.config import ConfigError, RootConfig, to_dict
+from megagenome.files.run_files import PREFLIGHT
 from megagenome.observe.record import git_commit
 from megagenome.run import assembly
 from megagenome.train import engine as ds
@@ -110,7 +111,7 @@ def shared_dir_check(run_dir: str, rank: int, world_size: int) -> dict:
 
     Returns {"writable": error or None, "missing": ranks whose file this rank cannot read back}. Collective."""
     nonce = ds.broadcast_object(uuid.uuid4().hex if rank == 0 else None)
-    where = os.path.join(run_dir, ".preflight", nonce)
+    where = os.path.join(run_dir, PREFLIGHT, nonce)
     error = None
     try:
         os.makedirs(where, exist_ok=True)
@@ -130,7 +131,7 @@ def shared_dir_check(run_dir: str, rank: int, world_size: int) -> dict:
             missing.append(other)
     ds.barrier()
     if rank == 0:
-        shutil.rmtree(os.path.join(run_dir, ".preflight"), ignore_errors=True)
+        shutil.rmtree(os.path.join(run_dir, PREFLIGHT), ignore_errors=True)
     return {"writable": error, "missing": missing}
 
 

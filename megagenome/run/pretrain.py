@@ -28,6 +28,7 @@ import torch
 from megagenome.config import ConfigError, RootConfig, config_hash, resume_record, signal_number, to_dict
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import GenomeData
+from megagenome.files.run_files import CONFIG, DS_CONFIG, ENV, MEMORY, METRICS, SPLIT
 from megagenome.model import attention_summary, family_of
 from megagenome.observe import console, dashboards
 from megagenome.observe.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak
@@ -142,7 +143,7 @@ def _train(validated: Validated, ranks, data: GenomeData, stop, logs: console.Ra
         _write_groups(run, data)
     if ranks.rank != 0:
         return {}
-    metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
+    metrics = os.path.join(cfg.log.run_dir, METRICS)
     result["data_changes"] = validated.resume.data_changes if validated.resume else []
     wall = time.time() - started
     return summary.summarise(cfg, data, metrics, result, run.dense_parameters, wall, first_step=start_step)
@@ -226,10 +227,10 @@ def _write_records(run: Run, data: GenomeData) -> None:
     run_dir = cfg.log.run_dir
     if ranks.rank == 0:
         os.makedirs(assembly.checkpoint_root(cfg), exist_ok=True)
-        write_yaml(os.path.join(run_dir, "config.yaml"), to_dict(cfg))
-        write_json(os.path.join(run_dir, "ds_config.json"), run.ds_config)
-        write_json(os.path.join(run_dir, "env.json"), env_record(ranks.world_size, hosts, str(ranks.device)))
-        write_json(os.path.join(run_dir, "split.json"), data.split_record())
+        write_yaml(os.path.join(run_dir, CONFIG), to_dict(cfg))
+        write_json(os.path.join(run_dir, DS_CONFIG), run.ds_config)
+        write_json(os.path.join(run_dir, ENV), env_record(ranks.world_size, hosts, str(ranks.device)))
+        write_json(os.path.join(run_dir, SPLIT), data.split_record())
         print(
             f"megagenome: {run.dense_parameters:,} parameters, {ranks.world_size} rank(s) on {ranks.device.type}, "
             f"global batch {b.global_batch} = micro {b.micro} x accumulation {b.grad_accum} x data-parallel "
@@ -245,7 +246,7 @@ def _resume(run: Run, validated: Validated, quiet) -> tuple[int, MetricsWriter, 
     starts after, the writer, the checkpoint's client state: {} for a fresh start)."""
     cfg, rank = run.cfg, run.ranks.rank
     sinks = dashboards.for_run(cfg.log, to_dict(cfg), rank)  # TensorBoard, W&B: every row, closed by _fit
-    writer = MetricsWriter(os.path.join(cfg.log.run_dir, "metrics.jsonl"), enabled=rank == 0, sinks=sinks)
+    writer = MetricsWriter(os.path.join(cfg.log.run_dir, METRICS), enabled=rank == 0, sinks=sinks)
     path = validated.resume_from
     if path is None:
         return 0, writer, {}
@@ -374,7 +375,7 @@ def train_step(run: Run, tokens: TokenCounter, to_device, plan: LoopPlan, before
         norm = lambda: pipeline.grad_norm(engine)  # noqa: E731
     else:  # each gradient counted once under tensor parallelism (run.ranks.state is the engine's mpu)
         norm = lambda: tensor_parallel.grad_norm(engine.module.parameters(), run.ranks.state)  # noqa: E731
-    memory_path = os.path.join(run.cfg.log.run_dir, "memory.json")
+    memory_path = os.path.join(run.cfg.log.run_dir, MEMORY)
     at = min(plan.start_step + 1, plan.stop_at - 1)
     probe = memory_probe(
         engine, memory_path, at, run.ranks.rank, run.rank_parameters, layout.data_parallel, run.ds_config

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from megagenome.config import RootConfig, config_differences, config_hash
 from megagenome.data import fingerprint as data_fingerprint
+from megagenome.files.run_files import UNIVERSAL
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.train import checkpoint
 
@@ -194,4 +195,4 @@ def _group_problems(path: str, info: dict, cfg: RootConfig, layout: ParallelLayo
 def converted_path(path: str) -> str:
     """Where convert_on_resize puts the universal copy of `path` (convert-checkpoint's default place)."""
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    return os.path.join(run_dir, checkpoint.UNIVERSAL_ROOT, os.path.basename(path.rstrip("/")))
+    return os.path.join(run_dir, UNIVERSAL, os.path.basename(path.rstrip("/")))

@@ -21,6 +21,7 @@ from megagenome.config import RootConfig
 from megagenome.data import masked_baseline
 from megagenome.data.dataset import GenomeData
 from megagenome.data.markov import markov_bits_per_base
+from megagenome.files.run_files import SUMMARY
 from megagenome.observe.metrics import read_metrics
 from megagenome.observe.record import write_json
 from megagenome.train import checkpoint
@@ -84,7 +85,7 @@ def summarise(
         "bad_steps": _bad_steps([r for r in rows if r.get("split") == "event"]),
         "data_changes": result.get("data_changes") or [],  # resumed with --checkpoint.allow_data_change
     }
-    write_json(os.path.join(cfg.log.run_dir, "summary.json"), summary)
+    write_json(os.path.join(cfg.log.run_dir, SUMMARY), summary)
     print_summary(summary)
     return summary
 
@@ -138,7 +139,7 @@ def finished_rerun(cfg: RootConfig, resume_from: str | None, rank: int, broadcas
 def stored(run_dir: str, step: int) -> dict | None:
     """The summary.json in run_dir when it is that of a run finished at `step`, else None."""
     try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+        with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as fh:
             found = json.load(fh)
     except (OSError, ValueError):
         return None

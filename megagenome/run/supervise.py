@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 
 from megagenome.config import RootConfig, signal_number
+from megagenome.files.run_files import CHECKPOINTS, RESTARTS
 
 PROG = "megagenome.run.supervise"
 NO_RESTART = frozenset({0, 2, 3, 4, 75, 130, 143})
@@ -307,7 +308,7 @@ def with_resume(command: list[str], settings: Settings) -> tuple[list[str], str 
     if settings.run_dir is not None:
         from megagenome.train.checkpoint import latest_complete
 
-        newest = latest_complete(os.path.join(settings.run_dir, "checkpoints"))
+        newest = latest_complete(os.path.join(settings.run_dir, CHECKPOINTS))
     resume = ["--checkpoint.resume", "auto"]
     if (newest is not None or settings.resume == "none") and command[-2:] != resume:
         command = [*command, *resume]
@@ -329,7 +330,7 @@ def log_restart(settings: Settings, attempt: int, code: int, resumed_from: str |
         "host": socket.gethostname(),
     }
     os.makedirs(settings.run_dir, exist_ok=True)
-    with open(os.path.join(settings.run_dir, "restarts.jsonl"), "a", encoding="utf-8") as fh:
+    with open(os.path.join(settings.run_dir, RESTARTS), "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import megagenome
 from megagenome.config import RootConfig, to_dict
+from megagenome.files.run_files import METRICS, SUMMARY
 from megagenome.observe.record import write_yaml
 
 GiB = 2**30
@@ -191,7 +192,7 @@ def run_trial(
     wall = time.time() - started
     with open(log_path, encoding="utf-8", errors="replace") as fh:
         output = fh.read()
-    rows = _train_rows(os.path.join(run_dir, "metrics.jsonl"))
+    rows = _train_rows(os.path.join(run_dir, METRICS))
     parameters = _parameters(run_dir, output)
     shutil.rmtree(run_dir, ignore_errors=True)
     peaks = [r.get("mem_peak_bytes_max") or r.get("mem_peak_bytes") for r in rows]
@@ -240,7 +241,7 @@ def _train_rows(path: str) -> list[dict]:
 
 def _parameters(run_dir: str, output: str) -> int | None:
     try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+        with open(os.path.join(run_dir, SUMMARY), encoding="utf-8") as fh:
             return int(json.load(fh)["parameters"])
     except (OSError, ValueError, KeyError, TypeError):
         m = re.search(r"megagenome: ([\d,]+) parameters", output)  # printed before training starts

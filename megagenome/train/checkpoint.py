@@ -24,13 +24,13 @@ import shutil
 
 import torch
 
+from megagenome.files.run_files import CHECKPOINTS, UNIVERSAL
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.train import integrity, safe_load, universal  # universal: a DeepSpeed seam, deepspeed imported inside
 from megagenome.train.integrity import MARKER, SaveError, verify
 from megagenome.train.integrity import agree_on_resume as agree_on_resume  # re-exported: part of this interface
 
 INFO = "client_state.json"  # step, samples_consumed, config_hash, train_optimizer, format and the writing layout
-UNIVERSAL_ROOT = "checkpoints_universal"  # convert-checkpoint's default output, beside <run dir>/checkpoints
 _TAG = re.compile(r"^step_(\d+)$")
 _ZERO_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 LAYOUT_KEYS = tuple(ParallelLayout(1).record())  # world_size, tensor, pipeline, sequence, data_parallel, zero_stage
@@ -333,7 +333,7 @@ def _layout_problems(path: str, saved: dict, current: dict, universal: bool) -> 
     zero_changed = partitions > 0 and partitions != current["sequence"] * current["data_parallel"]
     if not (model_parallel_changed or zero_changed):
         return []
-    out = os.path.join(os.path.dirname(os.path.dirname(path)), UNIVERSAL_ROOT)  # convert-checkpoint's default
+    out = os.path.join(os.path.dirname(os.path.dirname(path)), UNIVERSAL)  # convert-checkpoint's default
     how = (
         f"convert it first: `megagenome convert-checkpoint --checkpoint {path}`, then resume with "
         f"--checkpoint.resume {out} --checkpoint.universal true"
@@ -368,7 +368,7 @@ def resolve_source(checkpoint: str) -> str:
                 "interrupted or is still running); convert a complete one"
             )
         return path
-    for root in (os.path.join(path, "checkpoints"), path):
+    for root in (os.path.join(path, CHECKPOINTS), path):
         found = latest_complete(root)
         if found is not None:
             return found
@@ -406,7 +406,7 @@ def convert_to_universal(checkpoint: str, output: str | None = None, workers: in
         )
     tag = os.path.basename(src)
     run_dir = os.path.dirname(os.path.dirname(src))  # src is <run dir>/checkpoints/step_X
-    out_root = os.path.abspath(output) if output else os.path.join(run_dir, UNIVERSAL_ROOT)
+    out_root = os.path.abspath(output) if output else os.path.join(run_dir, UNIVERSAL)
     final = os.path.join(out_root, tag)
     if os.path.exists(final):
         raise ValueError(f"{final} already exists; remove it or choose another --output (nothing is overwritten)")

@@ -29,6 +29,7 @@ import torch
 from megagenome.config import ModelConfig, RootConfig
 from megagenome.config.load import load_config
 from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.files.run_files import CHECKPOINTS, CONFIG, DS_CONFIG
 from megagenome.model import family_of
 from megagenome.parallel import pipeline
 from megagenome.parallel.tensor_parallel import merge_shards
@@ -46,8 +47,8 @@ def checkpoint_tag(run_dir: str, step: int | None = None, level: str = "digest")
     As resume does: each newer checkpoint that fails verification is skipped with a warning (stderr, rank 0) naming
     its bad files and the checkpoint read instead; a `step` named explicitly that fails is refused, nothing else
     tried."""
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isfile(os.path.join(run_dir, CONFIG)):
         raise CheckpointError(f"{run_dir}: not a run directory (no config.yaml)")
     complete = checkpoint.complete_tags(root)
     if step is None:
@@ -79,7 +80,7 @@ def run_weights(run_dir: str, step: int | None = None) -> tuple[RootConfig, dict
     checkpoint that verifies, or the one of `step`."""
     cfg = read_run_config(run_dir)
     tag = checkpoint_tag(run_dir, step, cfg.checkpoint.verify)
-    ds_path = os.path.join(run_dir, "ds_config.json")
+    ds_path = os.path.join(run_dir, DS_CONFIG)
     try:
         ds_json = json.load(open(ds_path, encoding="utf-8")) if os.path.exists(ds_path) else {}
     except (OSError, ValueError) as e:
@@ -89,7 +90,7 @@ def run_weights(run_dir: str, step: int | None = None) -> tuple[RootConfig, dict
 
 def read_run_config(run_dir: str) -> RootConfig:
     """A run directory's config.yaml, a CheckpointError naming it when missing or broken (never a traceback)."""
-    path = os.path.join(run_dir, "config.yaml")
+    path = os.path.join(run_dir, CONFIG)
     if not os.path.isfile(path):
         raise CheckpointError(f"{run_dir}: not a run directory (no config.yaml)")
     try:

@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from megagenome.files.run_files import hang_dump
+
 HANG_EXIT = 86  # distinct from 1 (error), 2 (bad config), 3 (fp16 overflow stop) and 75 (stopped for a requeue)
 GRACE_S = 10.0  # after dumping, before exiting: the other ranks' watchdogs fire within a poll or two of this one
 
@@ -92,7 +94,7 @@ class Watchdog:
         sys.stderr.flush()
         try:
             os.makedirs(self.dump_dir, exist_ok=True)
-            with open(os.path.join(self.dump_dir, f"hang_rank{self.rank}.txt"), "w") as fh:
+            with open(os.path.join(self.dump_dir, hang_dump(self.rank)), "w") as fh:
                 fh.write(header)
                 fh.flush()
                 faulthandler.dump_traceback(file=fh, all_threads=True)
