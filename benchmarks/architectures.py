@@ -148,8 +148,8 @@ def predictions() -> dict:
     import os
 
     from megagenome.config.load import config_from_args
-    from megagenome.planner import plan
     from megagenome.planner.timing import Cluster
+    from megagenome.run import plan
 
     os.chdir(harness.REPO)  # the run configs name their files relative to the repository
     out = {}

@@ -31,8 +31,8 @@ CLUSTER = {"gpus": 1, "gpus_per_node": 1, "gpu": "H200", "gpu_memory_gb": 141.0}
 def predict() -> dict:
     """{seq: the plan's breakdown and the config it is of} for every cell."""
     from megagenome.config.load import config_from_args
-    from megagenome.planner import plan
     from megagenome.planner.timing import Cluster
+    from megagenome.run import plan
 
     os.chdir(harness.REPO)  # the run config names its files relative to the repository
     out = {}

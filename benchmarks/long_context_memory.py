@@ -12,7 +12,7 @@ kernel and the peak RSS (VmHWM) is the peak of what was live. Beside it:
 - the import baseline: the RSS of a process that has imported what `megagenome embed` imports (python, torch,
   megagenome), measured the same way; what the model and its window add is the peak minus it;
 - the planner's estimate of that addition (model/hyena/inference_memory.py through planner/inference.py and
-  planner/plan.py inference_memory_of): the
+  run/plan.py inference_memory_of): the
   larger of loading (the file's tensors, the float32 model they are loaded into, the float32 copies loaded) and the
   forward (the bf16 weights and rotary tables, the largest layer's live tensors, the FFT blocks).
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=pathlib.Path, default=None, help="Scratch directory (default: a temporary one).")
     ap.add_argument("--results", type=pathlib.Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(harness.argv_of(argv))
-    from megagenome.planner.plan import inference_memory_of
+    from megagenome.run.plan import inference_memory_of
 
     cfg = model_config(args.d_model, max(args.lengths))
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="long_context_memory-"))

@@ -54,7 +54,7 @@ MEASURE_TIMEOUT_S = 900
 
 def shape(model: dict):
     from megagenome.config import ModelConfig, RootConfig
-    from megagenome.planner.plan import shape_of
+    from megagenome.run.plan import shape_of
 
     return shape_of(RootConfig(model=ModelConfig(**model)))
 

@@ -176,7 +176,7 @@ def test_elementwise_bytes_and_traffic():
 
 def test_the_planner_plans_a_caduceus_model():
     from megagenome.config import RootConfig
-    from megagenome.planner import plan as planner
+    from megagenome.run import plan as planner
 
     cfg = RootConfig()
     cfg.model = config(d_model=256, n_layer=8, max_seq_len=4096)

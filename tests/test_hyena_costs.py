@@ -365,7 +365,7 @@ def test_the_inference_estimate_is_the_larger_of_loading_and_the_forward():
     """planner/inference.py over model/hyena/inference_memory.py (benchmarks/long_context_memory.py measures it): the
     forward's parts add up, the FFT blocks keep a layer's transient memory from growing faster than the window, and a
     family without an estimate is refused by name."""
-    from megagenome.planner.plan import inference_memory_of as inference_memory
+    from megagenome.run.plan import inference_memory_of as inference_memory
 
     cfg = ModelConfig(family="striped_hyena", d_model=256, n_head=2, n_layer=8, max_seq_len=131072,
                       layer_pattern="SE MR LI A", vocabulary="bytes", norm_form="divide")  # fmt: skip

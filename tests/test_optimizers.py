@@ -203,8 +203,8 @@ def test_resume_with_another_optimizer_is_refused(tmp_path):
 def test_plan_leaves_out_what_the_optimizer_refuses(tmp_path):
     """`megagenome plan` offers only candidates validation accepts: LAMB and Adafactor at ZeRO-0, no ZeRO-3 or
     offload for 8-bit Adam, AdamW everywhere; each left-out stage is named in the notes."""
-    from megagenome.planner import plan
     from megagenome.planner.timing import Cluster
+    from megagenome.run import plan
 
     stages = {}
     for name in ("adamw", "lamb", "adam8bit"):

@@ -1,4 +1,4 @@
-"""`megagenome plan` (megagenome/planner/plan.py, megagenome/planner/): its predictions against measurements.
+"""`megagenome plan` (megagenome/run/plan.py, megagenome/planner/): its predictions against measurements.
 
 (a) tiers 2-3: per-rank model-state bytes predicted by the planner against the tensor bytes DeepSpeed holds
     (memory.json, train/memory.py) on 2 CPU ranks, ZeRO 0-3, bf16 / bf16 + fp32 accumulation / fp32, and offload,

@@ -14,9 +14,9 @@ from support.helpers import REPO, cli_here
 from megagenome.config.load import config_from_args
 from megagenome.model.transformer.costs import TransformerShape, elementwise_bytes, n_params, outside_bytes
 from megagenome.model.transformer.flops import flops_per_token
-from megagenome.planner import plan
 from megagenome.planner.breakdown import ATTENTION_BWD_PER_FWD, TERMS, Rates, breakdown, hbm_tbps
 from megagenome.planner.timing import Cluster
+from megagenome.run import plan
 
 # d 64, 2 layers, 4 heads, d_ff 192, vocabulary 8 (tied): N = 8*64 + 2*(4*64^2 + 3*64*192 + 2*64) + 64 = 107,328.
 SHAPE = TransformerShape(d_model=64, n_layer=2, n_head=4, d_ff=192, vocab_size=8, padded_vocab=8, max_seq_len=128)

@@ -30,10 +30,10 @@ from megagenome.data.dataset import build_genome_data
 from megagenome.data.sampler import batch_indices
 from megagenome.model.transformer.costs import activation_bytes
 from megagenome.model.transformer.flops import attention_core_forward_flops_per_token
-from megagenome.planner import plan
 from megagenome.planner.choose import Candidate, Setup, stage_activations
 from megagenome.planner.states import Precision
 from megagenome.planner.timing import Cluster
+from megagenome.run import plan
 from megagenome.train.prefetch import Prefetcher
 
 SEQ, LENGTHS, STAGE_STEPS = 128, (32, 64), (2, 2)

@@ -1,4 +1,4 @@
-"""`megagenome plan` (layer L5): predicted memory and step time of every candidate configuration (planner/plan.py)."""
+"""`megagenome plan` (layer L5): predicted memory and step time of every candidate configuration (run/plan.py)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def parser() -> ArgumentParser:
 
 def main(parsed: Parsed) -> int:
     ns, cfg = parsed.ns, root_config(parsed.values)
-    from megagenome.planner import plan
     from megagenome.planner.timing import Cluster
+    from megagenome.run import plan
 
     cluster = Cluster(**{f.name: ns[f.name] for f in dataclasses.fields(Cluster)})
     return plan.run(cfg, cluster, ns.global_batch, ns.precision, ns.grad_accum_dtype, as_json=ns.json)

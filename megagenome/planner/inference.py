@@ -1,6 +1,6 @@
 """The planner's inference memory (layer L1, no torch): the peak bytes of one forward pass over a window without
 autograd (eval, score-variants, embed), from a family's cost model where it has an inference estimate (the Hyena
-families: model/hyena/inference_memory.py). planner/plan.py inference_memory_of resolves a config's family and
+families: model/hyena/inference_memory.py). run/plan.py inference_memory_of resolves a config's family and
 parameter count; benchmarks/long_context_memory.py checks the estimate against measured peaks."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 On a machine without a GPU every rank keeps its model states and activations in host memory, and the ranks of a
 launch share it: `deepspeed --num_gpus 8 ... --config configs/dna_125m.yaml` on a 24 GiB CPU machine starts 8 ranks
 of an 85M-parameter model and the OOM killer takes some of them mid-step. Each rank estimates its memory with the
-planner (planner/plan.py, the run config's own row: model states, activations at its micro batch and checkpointing,
+planner (run/plan.py, the run config's own row: model states, activations at its micro batch and checkpointing,
 buffers; runtime counted at RUNTIME_GIB) and refuses, with the figures and what to change, when this node's ranks
 together need more than the memory available now (MemAvailable). Checked when a training run starts
 (run/pretrain.py), not by --dry_run, preflight or plan, which validate runs meant for other machines. The estimate
@@ -35,8 +35,8 @@ def available_gib(path: str = "/proc/meminfo") -> float | None:
 
 def per_rank_gib(cfg: RootConfig, world: int, local: int) -> float | None:
     """The planner's memory estimate for one rank of this run config (GiB), or None when it cannot make one."""
-    from megagenome.planner.plan import build
     from megagenome.planner.timing import Cluster
+    from megagenome.run.plan import build
 
     cluster = Cluster(gpus=world, gpus_per_node=local, gpu="cpu", peak_tflops=1.0, gpu_memory_gb=1e6,
                       runtime_gb=RUNTIME_GIB)  # fmt: skip
