@@ -47,85 +47,11 @@ import statistics
 import time
 
 import harness
-
-FRAMEWORKS = {
-    "a": "megagenome step function (forward_backward_step)",
-    "a_fit": "megagenome fit() loop",
-    "b": "bare DeepSpeed loop",
-    "c": "Hugging Face Trainer",
-}
-ORDER = ["a", "a_fit", "b"]  # the blocks run from the Trainer's callback, rotated every round (harness.rotated)
-
+from peers_worker import FRAMEWORKS, worker
 
 OVERHEAD_TARGET = 1.03
 PAIRS = {"a_over_b": ("a", "b"), "a_over_c": ("a", "c"), "a_fit_over_b": ("a_fit", "b"), "b_over_c": ("b", "c")}
 TARGETS = {"a_over_b": ("<=", OVERHEAD_TARGET), "a_over_c": ("<", 1.0)}
-
-
-def llama_config(cfg, vocab: int, seq_len: int):
-    """The transformers LlamaConfig of megagenome's model shape (same vocabulary rows, width, MLP width, depth,
-    heads, positions, norm epsilon, rotary base, tying, init std; no biases, no dropout)."""
-    from transformers import LlamaConfig
-
-    from megagenome.config import d_ff
-
-    m = cfg.model
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=m.d_model,
-        intermediate_size=d_ff(m),
-        num_hidden_layers=m.n_layer,
-        num_attention_heads=m.n_head,
-        num_key_value_heads=m.n_head,
-        max_position_embeddings=seq_len,
-        rms_norm_eps=m.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        tie_word_embeddings=m.tie_embeddings,
-        initializer_range=m.init_std,
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=m.dropout,
-        hidden_act="silu",
-        use_cache=False,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-        attn_implementation="sdpa",  # PyTorch SDPA, as megagenome on CPU (and without flash-attn)
-    )
-
-
-def parameter_breakdown(model) -> dict[str, int]:
-    """Parameter counts by kind (tied tensors once): embedding, attention, mlp, norms, head (when untied)."""
-    out = {"embedding": 0, "attention": 0, "mlp": 0, "norms": 0, "lm_head (untied)": 0}
-    for name, p in model.named_parameters():
-        if "embed" in name:
-            key = "embedding"
-        elif "norm" in name:  # before attn/mlp: megagenome's norms are named attn_norm, mlp_norm
-            key = "norms"
-        elif "attn" in name:
-            key = "attention"
-        elif "mlp" in name:
-            key = "mlp"
-        else:
-            key = "lm_head (untied)"
-        out[key] += p.numel()
-    out["total"] = sum(out.values())
-    return out
-
-
-def interleaved_expected(expected: list, W: int, K: int, rounds: int, accum: int) -> list:
-    """What the shared a / a_fit engine sees after the warm-up: a_fit's one warm-up step, then per round the
-    blocks of a and a_fit in the rotated order (b's block, in between, runs on another engine)."""
-    out, cursor = [], {"a": W, "a_fit": 0}
-    out += expected[0:accum]  # a_fit's warm-up step: its batch 0
-    cursor["a_fit"] = 1
-    for _, name in harness.interleaved(ORDER, rounds):
-        if name == "b":
-            continue
-        s = cursor[name]
-        out += expected[s * accum : (s + K) * accum]
-        cursor[name] += K
-    return out
 
 
 def figures(ranks: list[dict], key: str, tokens_per_step: int) -> dict:
@@ -340,8 +266,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = harness.argv_of(argv)
     args = parse_args(argv)
     if args.worker:
-        from peers_worker import worker
-
         worker(args.worker)
         return
     work = harness.work_dir("mg-peers-")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import fused_paths  # noqa: E402
 import harness  # noqa: E402
 import peers  # noqa: E402
+import peers_worker  # noqa: E402
 import sweep  # noqa: E402
 
 ARGS = ["--sizes", "tiny", "--seq_lens", "256", "--zero", "1", "--checkpointing", "none", "--micro", "1,2"]
@@ -126,9 +127,9 @@ def test_peers_interleaved_expected():
     """The shared a / a_fit engine's forwards: a_fit's warm-up batch, then each round's a and a_fit blocks in the
     rotated order [a, a_fit, b], [a_fit, b, a], [b, a, a_fit], ... (b runs on its own engine)."""
     expected = list(range(20))
-    out = peers.interleaved_expected(expected, 2, 2, 3, 1)
+    out = peers_worker.interleaved_expected(expected, 2, 2, 3, 1)
     assert out == [0] + [2, 3] + [1, 2] + [3, 4] + [4, 5] + [6, 7] + [5, 6]
-    assert peers.interleaved_expected(expected, 1, 1, 1, 2) == [0, 1] + [2, 3] + [2, 3]
+    assert peers_worker.interleaved_expected(expected, 1, 1, 1, 2) == [0, 1] + [2, 3] + [2, 3]
 
 
 def test_peers_figures_and_verdicts():
@@ -157,11 +158,11 @@ def test_peers_llama_matches_megagenome_shape():
 
     cfg = RootConfig(model=ModelConfig(d_model=64, n_layer=2, n_head=2, max_seq_len=128))
     ours = DNATransformer(cfg.model, VOCAB_SIZE)
-    config = peers.llama_config(cfg, ours.padded_vocab_size, 128)
+    config = peers_worker.llama_config(cfg, ours.padded_vocab_size, 128)
     theirs = transformers.LlamaForCausalLM(config)
     assert config.intermediate_size == ours.blocks[0].mlp.w_up.out_features
-    assert peers.parameter_breakdown(ours) == peers.parameter_breakdown(theirs)
-    assert peers.parameter_breakdown(ours)["total"] == ours.num_parameters()
+    assert peers_worker.parameter_breakdown(ours) == peers_worker.parameter_breakdown(theirs)
+    assert peers_worker.parameter_breakdown(ours)["total"] == ours.num_parameters()
 
 
 def test_fused_paths_ratios_pair_the_slowest_rank_of_each_round():

@@ -267,6 +267,22 @@ def test_no_folder_imports_another_that_imports_it_back():
     assert not cycles, "folders importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+def test_no_benchmark_imports_another_that_imports_it_back():
+    """The benchmark scripts import each other (harness, a driver's worker) in one direction only."""
+    scripts = {p.stem: p for p in (REPO / "benchmarks").glob("*.py")}
+    graph = {}
+    for name, path in scripts.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+        graph[name] = {n for n in names if n in scripts and n != name}
+    cycles = import_cycles(graph)
+    assert not cycles, "benchmarks importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
 def test_the_cycle_check_finds_a_circle():
     """The check above reports a circle of three and leaves a chain alone."""
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
