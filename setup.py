@@ -14,8 +14,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megagenome", "megagenome.*"]),
-    # DeepSpeed's config-section fields, copied for checks that import no deepspeed (megagenome/train/ds_schema.py).
-    package_data={"megagenome": ["train/ds_sections.json", "model/caduceus/csrc/*.cpp", "model/caduceus/csrc/*.h"]},
+    # DeepSpeed's config-section fields, copied for checks that import no deepspeed (megagenome/engine/ds_schema.py).
+    package_data={"megagenome": ["engine/ds_sections.json", "model/caduceus/csrc/*.cpp", "model/caduceus/csrc/*.h"]},
     install_requires=[
         "torch==2.13.0",
         "deepspeed==0.19.8",
@@ -64,7 +64,7 @@ setup(
         # export (model/lora.py). An extra, since peft brings transformers, which the package itself never needs.
         "lora": ["peft==0.21.2"],
         # `megagenome export --quantize int8` (after_training/quantize.py) and --train.optimizer adam8bit on CPU
-        # (train/optimizers.py): torchao, PyTorch's maintained quantization. An extra, not a requirement: importing
+        # (engine/optimizers.py): torchao, PyTorch's maintained quantization. An extra, not a requirement: importing
         # it logs a line for each CUDA-only kernel library a CPU torch cannot load and torch one deprecation per
         # enum it registers, and transformers imports it whenever it is installed, so every Hugging Face model load
         # (an export, LoRA's peft) printed that noise for users who never quantize.

@@ -70,8 +70,8 @@ def scenarios(args, work: pathlib.Path, fasta: str) -> list[dict]:
 def worker(spec_path: pathlib.Path) -> None:
     """Every scenario of the spec through pretrain.run in this process group; rank 0 writes each one's wall time."""
     from megagenome.config.load import config_from_args
+    from megagenome.engine import engine
     from megagenome.run import pretrain
-    from megagenome.train import engine
 
     spec = json.loads(spec_path.read_text())
     walls = {}

@@ -58,9 +58,9 @@ class Variants:
         from deepspeed.accelerator import get_accelerator
 
         from megagenome.config import TrainConfig
+        from megagenome.engine import engine as ds
         from megagenome.observe.metrics import MetricsWriter
         from megagenome.parallel.layout import ParallelLayout
-        from megagenome.train import engine as ds
 
         self.spec = spec = json.loads(spec_path.read_text())
         self.work = spec_path.parent
@@ -112,9 +112,9 @@ class Variants:
         import torch
 
         from megagenome.data.tokenizer import VOCAB_SIZE
+        from megagenome.engine import engine as ds
         from megagenome.model.transformer import DNATransformer
         from megagenome.parallel.state import ParallelState
-        from megagenome.train import engine as ds
 
         state, engines = ParallelState.build(self.rank, self.layout), {}
         for name, compiled in VARIANTS.items():
@@ -129,7 +129,7 @@ class Variants:
 
     def run(self, name: str, n: int) -> float | None:
         """n steps of variant `name` through fit(), one metrics row at the end; returns that row's loss."""
-        from megagenome.train import engine as ds
+        from megagenome.engine import engine as ds
         from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
 
         engine, start, b = self.engines[name], self.cursor[name], self.b
@@ -151,7 +151,7 @@ class Variants:
 
     def timed(self, name: str, n: int) -> float:
         """Seconds per step of n steps of `name`, between a barrier and accelerator synchronisations."""
-        from megagenome.train import engine as ds
+        from megagenome.engine import engine as ds
 
         loss, wall, _ = harness.timed(self.run, name, n, sync=self.accel.synchronize, barrier=ds.barrier)
         if self.cursor[name] == n:
@@ -160,7 +160,7 @@ class Variants:
 
 
 def timing_worker(spec_path: pathlib.Path) -> None:
-    from megagenome.train import engine as ds
+    from megagenome.engine import engine as ds
 
     v = Variants(spec_path)
     for name in VARIANTS:

@@ -247,9 +247,9 @@ def write_bf16_only(work: pathlib.Path) -> pathlib.Path:
 def ds_dict(fragments: list, label: str, who: str, gpu: bool, batch, train) -> dict:
     """The DeepSpeed dict pretrain.run would build from these JSON fragments (merged and checked, then
     build_ds_config with the run config's keys); ValueError listing the problems otherwise."""
-    from megagenome.train import ds_config as dsc
-    from megagenome.train import ds_final
-    from megagenome.train import engine as ds
+    from megagenome.engine import ds_config as dsc
+    from megagenome.engine import ds_final
+    from megagenome.engine import engine as ds
 
     ds_json, sources, problems = dsc.merge_fragments(fragments)
     problems += dsc.check_ds_config(ds_json, label, who, gpu, sources, ds.section_problems)

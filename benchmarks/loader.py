@@ -80,10 +80,10 @@ from loader_report import (  # noqa: E402
 
 from megagenome.config import DataConfig  # noqa: E402
 from megagenome.config.load import load_manifest  # noqa: E402
-from megagenome.data import prepare as prep  # noqa: E402
 from megagenome.data import prepared  # noqa: E402
 from megagenome.data.dataset import GenomeData, build_genome_data, build_prepared_data  # noqa: E402
 from megagenome.data.tokenizer import A_ID, C_ID, G_ID, N_ID, T_ID  # noqa: E402
+from megagenome.run import prepare as prep  # noqa: E402
 
 YEAST = harness.REPO / "tests" / "data" / "scerevisiae_S288C_ASM205763v1.fa.bgz"
 VAL_CONTIGS = ["chrMT"]

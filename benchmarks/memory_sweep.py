@@ -4,7 +4,7 @@ A 51M-parameter model (d_model 512, 16 layers, 8 heads) at seq_len 2048 in bf16,
 configurations (ZeRO 0-3, ZeRO-2 with optimizer offload, ZeRO-3 with parameter + optimizer offload) x
 activation checkpointing policy (none, full, selective) x micro batch (1, 2). For each cell:
 
-- model-state bytes per rank, counted from the engine's tensors (train/memory.py model_state_bytes, the memory.json
+- model-state bytes per rank, counted from the engine's tensors (engine/memory.py model_state_bytes, the memory.json
   that `megagenome pretrain` writes, written here per engine configuration);
 - peak RSS per rank over the cell's steps (ru_maxrss, the metrics.jsonl mem_peak_bytes, reset before every
   step through /proc/self/clear_refs), with MALLOC_MMAP_THRESHOLD_=65536 so that freed memory goes back to the
@@ -91,11 +91,11 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
 
     from megagenome.config import ModelConfig, RootConfig
     from megagenome.data.tokenizer import VOCAB_SIZE
+    from megagenome.engine import engine as ds
+    from megagenome.engine.memory import memory_probe
     from megagenome.model.transformer import DNATransformer
     from megagenome.parallel.layout import ParallelLayout
-    from megagenome.train import engine as ds
     from megagenome.train.loop import peak_memory_bytes
-    from megagenome.train.memory import memory_probe
 
     samples = {c: {"times": [], "cpu": [], "peaks": []} for c in cells}
     errors: dict[tuple[str, int], str] = {}
@@ -151,7 +151,7 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
 def worker(out: pathlib.Path, plan: list, rounds: int) -> None:
     import torch
 
-    from megagenome.train import engine as ds
+    from megagenome.engine import engine as ds
 
     torch.set_num_threads(1)
     rank, _, world = ds.init_distributed()

@@ -114,8 +114,8 @@ def memory_arms(args, work: pathlib.Path) -> list[dict]:
 def worker(spec_path: pathlib.Path) -> None:
     """Every arm through pretrain.run in this process group; a refused arm is recorded with its reason."""
     from megagenome.config.load import config_from_args
+    from megagenome.engine import engine
     from megagenome.run import pretrain
-    from megagenome.train import engine
 
     spec = json.loads(spec_path.read_text())
     out = {}

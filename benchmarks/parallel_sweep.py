@@ -199,9 +199,9 @@ def worker(spec_path: pathlib.Path) -> None:
     import torch.distributed as dist
 
     from megagenome.config.load import config_from_dict
-    from megagenome.parallel import pipeline
+    from megagenome.engine import engine, pipeline
     from megagenome.run import pretrain
-    from megagenome.train import engine, loop
+    from megagenome.train import loop
 
     for op in OPS:
         if hasattr(dist, op):

@@ -4,12 +4,12 @@ One `deepspeed --num_gpus N` launch of this script (a worker mode, CPU ranks on 
 models in the same processes, on the same batches, under the same DeepSpeed JSON (ds_configs/zero1_bf16.json by default:
 ZeRO-1, bf16, overlapped fp32 reduction; results/peers.md ran its earlier content, ZeRO-1 + bf16 with fp32 gradient
 accumulation, which is [zero1.json, bf16.json] now; both run on DeepSpeed's CPU accelerator, docs/platform.md), the same
-micro batch and gradient accumulation, merged with the run-config-owned keys by megagenome's own train/ds_config.py
+micro batch and gradient accumulation, merged with the run-config-owned keys by megagenome's own engine/ds_config.py
 build_ds_config (AdamW, WarmupCosineLR, clipping, batch sizes), so all three get one dict:
 
 - (a) megagenome: pretrain.py's step function, train/loop.py forward_backward_step (engine(**batch), backward and
   step per micro batch, the step's loss read back, pretrain's TokenCounter around the batches), on an engine built
-  as pretrain.run builds it (DNATransformer, its AdamW parameter groups, train/engine.py initialize with the
+  as pretrain.run builds it (DNATransformer, its AdamW parameter groups, engine/engine.py initialize with the
   ParallelState as mpu). Also (a') the same engine driven by train/loop.py fit() itself, K steps per call with one
   metrics row per call (what a run with --train.log_interval K adds: the stop-signal all-reduce every step, the
   metrics all-reduce and row, the loop's bookkeeping; not the hang watchdog, a thread that only reads a clock);

@@ -111,8 +111,8 @@ class Peers:
         from deepspeed.accelerator import get_accelerator
 
         from megagenome.config import DataConfig, ModelConfig, RootConfig, TrainConfig
+        from megagenome.engine import engine as ds
         from megagenome.parallel.layout import ParallelLayout
-        from megagenome.train import engine as ds
 
         spec = json.loads(spec_path.read_text())
         self.work = spec_path.parent
@@ -178,10 +178,10 @@ class Peers:
         import torch
 
         from megagenome.data.tokenizer import VOCAB_SIZE
+        from megagenome.engine import engine as ds
         from megagenome.model.transformer import DNATransformer
         from megagenome.observe.metrics import MetricsWriter
         from megagenome.parallel.state import ParallelState
-        from megagenome.train import engine as ds
         from megagenome.train.loop import TokenCounter, forward_backward_step
 
         cfg = self.cfg
@@ -214,8 +214,8 @@ class Peers:
         return [float(v) for v in losses]  # the step function returns device tensors: read after the block, as b
 
     def run_a_fit(self, n: int) -> list[float]:
+        from megagenome.engine import engine as ds
         from megagenome.model.transformer.flops import flops_per_token
-        from megagenome.train import engine as ds
         from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
 
         cfg, start = self.cfg, self.cursor["a_fit"]
@@ -261,7 +261,7 @@ class Peers:
 
     def timed_block(self, name: str) -> None:
         """K steps of one framework between a barrier and accelerator synchronisations."""
-        from megagenome.train import engine as ds
+        from megagenome.engine import engine as ds
 
         run = {"a": self.run_a, "a_fit": self.run_a_fit, "b": self.run_b}[name]
         _, wall, cpu = harness.timed(run, self.K, sync=self.sync, barrier=ds.barrier)
@@ -315,7 +315,7 @@ def interleave(run: Peers):
 
     import transformers
 
-    from megagenome.train import engine as ds
+    from megagenome.engine import engine as ds
 
     W, K = run.W, run.K
 
@@ -416,7 +416,7 @@ def worker(spec_path: pathlib.Path) -> None:
     import torch
     import transformers
 
-    from megagenome.train import engine as ds
+    from megagenome.engine import engine as ds
 
     run = Peers(spec_path)
     run.build_engines()

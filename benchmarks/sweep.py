@@ -211,9 +211,9 @@ def worker(spec_path: pathlib.Path) -> None:
 
     from megagenome.config import ConfigError
     from megagenome.config.load import config_from_dict
+    from megagenome.engine import engine as ds
     from megagenome.run import pretrain
     from megagenome.train import checkpoint
-    from megagenome.train import engine as ds
 
     spec = json.loads(spec_path.read_text())
     engines: list = []

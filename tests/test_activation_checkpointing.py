@@ -63,7 +63,7 @@ def gradients(policy: str, checkpoint_fn=None, dropout_seed: int = 1) -> dict[st
 @pytest.fixture(scope="module")
 def deepspeed_checkpoint():
     """DeepSpeed's checkpoint function in a world of one (gloo); the process group and env are undone after."""
-    from megagenome.train import engine
+    from megagenome.engine import engine
 
     with world_of_one():
         block = json.loads((REPO / "ds_configs" / "activation_checkpointing.json").read_text())

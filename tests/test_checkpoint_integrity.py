@@ -177,7 +177,7 @@ def one_rank():
 def tiny_engine():
     """A fresh world-of-one DeepSpeed engine (ZeRO-0, fp32, AdamW): 107k parameters, a checkpoint of ~0.45 MB
     before its first optimizer step and ~1.3 MB after it (AdamW's moments appear at the first step)."""
-    from megagenome.train import engine as ds
+    from megagenome.engine import engine as ds
 
     torch.manual_seed(0)
     model = DNATransformer(ModelConfig(d_model=64, n_layer=2, n_head=2, max_seq_len=32), VOCAB_SIZE)
@@ -194,7 +194,7 @@ def train_one_step(engine) -> None:
 
 
 def save(engine, root: pathlib.Path, step: int) -> str:
-    from megagenome.train import engine as ds
+    from megagenome.engine import engine as ds
 
     client = {"step": step, "samples_consumed": step}
     return checkpoint.save(engine, str(root), step, client, 0, 2, ds.barrier, gather=ds.all_gather_object)
@@ -291,7 +291,7 @@ class _Payload:
 
 def test_resume_refuses_a_crafted_checkpoint_before_deepspeed_unpickles_it(one_rank, tmp_path):
     """DeepSpeed's engine.load_checkpoint unpickles fully: a crafted model-states file whose manifest was rewritten to
-    match (so it verifies) is refused by the vetting (train/safe_load.py), and its payload never runs."""
+    match (so it verifies) is refused by the vetting (engine/safe_load.py), and its payload never runs."""
     path = pathlib.Path(save(tiny_engine(), tmp_path / "checkpoints", 1))
     crafted, marker = path / "mp_rank_00_model_states.pt", tmp_path / "ran"
     state = torch.load(crafted, weights_only=False)

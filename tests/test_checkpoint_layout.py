@@ -16,11 +16,12 @@ from support.helpers import REPO, cli_here, copy_genome, final_ds_config, tiny_c
 from support.helpers import run_config as parse
 
 from megagenome.config import ConfigError
+from megagenome.engine import universal
+from megagenome.engine.ds_config import check_ds_config
 from megagenome.files.run_files import UNIVERSAL
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.run.assembly import validate
-from megagenome.train import checkpoint, universal
-from megagenome.train.ds_config import check_ds_config
+from megagenome.train import checkpoint
 
 
 def layout(world_size=2, tensor=1, pipeline=1, sequence=1, zero_stage=1) -> dict:
@@ -148,7 +149,7 @@ def test_universal_flag_sets_load_universal_and_the_json_may_not(tmp_path):
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path / "genome")
     cfg, files = parse(["--config", write_yaml(tmp_path / "r.yaml", tiny_config(tmp_path, fasta, tmp_path / "run"))])
     assert "checkpoint" not in final_ds_config({}, cfg.train)
-    from megagenome.train.ds_final import build_ds_config
+    from megagenome.engine.ds_final import build_ds_config
 
     batch = ParallelLayout(1).batch(cfg.train)
     built = build_ds_config({"zero_optimization": {"stage": 1}}, batch, cfg.train, universal=True, on_gpu=False)

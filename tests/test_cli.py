@@ -93,7 +93,7 @@ def test_every_shipped_yaml_parses_and_validates(path, monkeypatch, request):
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=[p.name for p in DS_CONFIGS])
 def test_every_shipped_ds_json_is_accepted(path):
-    from megagenome.train.ds_config import check_ds_config, load_ds_json
+    from megagenome.engine.ds_config import check_ds_config, load_ds_json
 
     ds = load_ds_json(str(path))
     # bf16.json accumulates gradients in fp32, which DeepSpeed allows from ZeRO stage 1 on: a fragment to pair
@@ -134,7 +134,7 @@ def test_shipped_fragments_compose_through_the_cli(tmp_path, capsys, monkeypatch
 
 
 def test_conflicting_fragments_name_the_key_and_both_files(tmp_path):
-    from megagenome.train.ds_config import merge_fragments
+    from megagenome.engine.ds_config import merge_fragments
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
@@ -146,8 +146,8 @@ def test_conflicting_fragments_name_the_key_and_both_files(tmp_path):
 
 
 def test_engine_knob_problems_need_the_run_config(tmp_path):
-    from megagenome.train.ds_config import check_ds_config, run_problems
-    from megagenome.train.engine import nvme_problems
+    from megagenome.engine.ds_config import check_ds_config, run_problems
+    from megagenome.engine.engine import nvme_problems
 
     ac = {"activation_checkpointing": {"cpu_checkpointing": True}}
     assert any("needs partition_activations" in p for p in check_ds_config(ac, "ac.json", "run.yaml", False))

@@ -17,8 +17,8 @@ from support.helpers import DATA
 
 from megagenome.config import DataConfig
 from megagenome.config.load import load_manifest
-from megagenome.data import prepare
 from megagenome.data.fingerprint import data_fingerprint, differences
+from megagenome.run import prepare
 
 PHIX, MITO = "phiX174_NC_001422.1.fna", "chrM_rCRS_16569bp.fa"
 

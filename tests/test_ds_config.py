@@ -1,4 +1,4 @@
-"""Tier 1: the DeepSpeed JSON as data (train/ds_config.py, train/ds_schema.py): reading, checks, the final dict,
+"""Tier 1: the DeepSpeed JSON as data (engine/ds_config.py, engine/ds_schema.py): reading, checks, the final dict,
 and the copy of DeepSpeed's section models that lets all of it run without importing deepspeed."""
 
 import json
@@ -7,9 +7,9 @@ import pytest
 from support.helpers import REPO
 
 from megagenome.config import TrainConfig
+from megagenome.engine.ds_config import DSConfigError, check_ds_config, load_ds_json, scaled_lr
+from megagenome.engine.ds_final import build_ds_config
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.train.ds_config import DSConfigError, check_ds_config, load_ds_json, scaled_lr
-from megagenome.train.ds_final import build_ds_config
 
 
 def test_lr_scaling_rules():
@@ -86,10 +86,10 @@ def test_merged_config_carries_root_keys_and_leaves_json_untouched():
 def test_the_section_schema_is_the_installed_deepspeeds():
     """ds_sections.json holds exactly what the installed DeepSpeed's pydantic models declare; after an upgrade this
     fails until the file is written again (engine.write_section_schema)."""
-    from megagenome.train import ds_schema, engine
+    from megagenome.engine import ds_schema, engine
 
     assert ds_schema.section_schema() == engine.section_schema(), (
-        'regenerate: python -c "from megagenome.train import engine; engine.write_section_schema()"'
+        'regenerate: python -c "from megagenome.engine import engine; engine.write_section_schema()"'
     )
 
 
@@ -151,7 +151,7 @@ DEEPSPEED_ONLY = [
 
 def _judgements(section: str, value) -> tuple[list[str], list[str]]:
     """(megagenome's copy's problems, DeepSpeed's own models' problems) of one section."""
-    from megagenome.train import ds_schema, engine
+    from megagenome.engine import ds_schema, engine
 
     ours = ds_schema.section_problems(ds_schema.section_schema()[section], value, section, "x.json")
     return ours, engine.section_problems({section: value}, {}, "x.json")
@@ -168,14 +168,14 @@ def test_rules_only_deepspeeds_models_hold_are_checked_at_launch(section, value)
     ours, theirs = _judgements(section, value)
     assert ours == [] and theirs, (ours, theirs)
     assert check_ds_config({section: value}, "x.json", "run.yaml", False, sections=None) == []  # --dry_run
-    from megagenome.train import engine
+    from megagenome.engine import engine
 
     launch = check_ds_config({section: value}, "x.json", "run.yaml", False, sections=engine.section_problems)
     assert launch and all(p.startswith("x.json: ") for p in launch), launch
 
 
 def test_unknown_section_keys_suggest_the_nearest_and_aliases_count_once():
-    from megagenome.train import ds_schema
+    from megagenome.engine import ds_schema
 
     fields = ds_schema.section_schema()["zero_optimization"]
     (msg,) = ds_schema.section_problems(fields, {"overlap_com": True}, "zero_optimization", "z.json")
@@ -231,8 +231,8 @@ def test_every_shipped_json_turns_deepspeeds_timers_off(name):
 def test_the_timers_schema_is_the_installed_deepspeeds():
     from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
 
-    from megagenome.train import engine
-    from megagenome.train.ds_config import TIMERS_SCHEMA
+    from megagenome.engine import engine
+    from megagenome.engine.ds_config import TIMERS_SCHEMA
 
     assert TIMERS_SCHEMA["throughput"]["fields"] == engine._model_fields(DeepSpeedThroughputTimerConfig)
     bad = {"timers": {"throughput": {"enabled": "sometimes", "synchronised": False}, "tput": {}}}
@@ -270,9 +270,9 @@ def test_which_optimizer_wrapper_each_bf16_json_gets_and_that_it_trains(
     import torch
 
     from megagenome.config import ModelConfig
+    from megagenome.engine import engine
+    from megagenome.engine.ds_config import merge_fragments
     from megagenome.model.transformer import DNATransformer
-    from megagenome.train import engine
-    from megagenome.train.ds_config import merge_fragments
 
     merged, _, problems = merge_fragments([str(REPO / "ds_configs" / f"{f}.json") for f in fragments])
     assert problems == [] and check_ds_config(merged, "x.json", "run.yaml", on_gpu=False) == []

@@ -314,7 +314,7 @@ def test_compile_is_refused_with_zero3():
 
 def _ds_losses(model: DNATransformer, steps: int = 2) -> list[float]:
     """Per-step losses of `model` under a real DeepSpeed ZeRO-2 engine (a world of one; no warmup, so weights move)."""
-    from megagenome.train import engine
+    from megagenome.engine import engine
 
     ds = final_ds_config({"zero_optimization": {"stage": 2}}, TrainConfig(warmup_steps=0, lr=1e-2))
     eng = engine.initialize(model, model.param_groups(0.1), ds)

@@ -107,7 +107,7 @@ def test_pipeline_partition_names_the_family_classes(tmp_path, phix, family):
 def test_selective_recompute_with_partitioned_activations_is_refused(tmp_path, phix, family):
     """DeepSpeed's partition_activations treats a checkpointed function's inputs as replicated activations; selective
     recomputation hands it this rank's heads and (Hyena) parameters, so the pair is refused before launch, for every
-    family (measured wrong without the refusal: train/ds_config.py run_problems); full with partitioning runs."""
+    family (measured wrong without the refusal: engine/ds_config.py run_problems); full with partitioning runs."""
     config = scenario(tmp_path, phix, "ac", ds("zero0", "activation_partitioned"), 4)["config"]
     config["model"].update(FAMILIES.get(family, {}), checkpointing="selective")
     with pytest.raises(ConfigError) as e:
@@ -120,14 +120,14 @@ def test_selective_recompute_with_partitioned_activations_is_refused(tmp_path, p
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pipeline_optimizer_groups_are_the_model_groups(family):
-    """The pipeline builds its AdamW groups from its stage's parameters (parallel/pipeline.py param_groups): they must
+    """The pipeline builds its AdamW groups from its stage's parameters (engine/pipeline.py param_groups): they must
     be the model's own, the filters (2-D, marked no_weight_decay) without decay, or pp=2 would decay what pp=1 does
     not (weight decay 0.1 at lr 3e-3 shrinks them by ~2e-3 relative over 6 steps)."""
     import torch
 
     from megagenome.config import ModelConfig
+    from megagenome.engine import pipeline
     from megagenome.model import family_of
-    from megagenome.parallel import pipeline
 
     cfg = ModelConfig(d_model=32, n_head=2, max_seq_len=64, **FAMILIES[family])
     torch.manual_seed(0)

@@ -12,8 +12,8 @@ from support.helpers import PYTHON, REPO, copy_genome, env, tiny_config, write_y
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "megagenome"
 
-# Layer of each module (path relative to the package, without .py); the longest known prefix decides. Higher layers
-# may import lower ones and their own.
+# Layer of each folder (and of the package's top-level modules): one layer per folder, every module of a folder in
+# its folder's layer. Higher layers may import lower ones and their own.
 LAYERS = {
     "__init__": 0,
     "config": 0,
@@ -24,21 +24,10 @@ LAYERS = {
     "model": 1,
     "parallel": 1,
     "planner": 1,
-    "train": 2,
-    "parallel/pipeline": 2,
-    "train/loop": 3,
-    "train/checkpoint": 3,
-    "train/divergence": 3,
-    "train/consolidate": 3,
-    "train/stopping": 3,
-    "train/sync_points": 3,
-    "train/prefetch": 3,
-    "train/host_syncs": 3,
-    "train/task_loop": 3,
+    "engine": 2,
+    "train": 3,
     "run": 4,
     "after_training": 4,
-    "data/prepare": 4,
-    "cluster/commands": 4,
     "cli": 5,
     "__main__": 5,
 }
@@ -54,7 +43,7 @@ L1_ALLOWED = {
     "cluster": {"cluster", "observe"},
 }
 SEAMS = {
-    "deepspeed": {"train/engine", "train/universal", "train/memory", "parallel/pipeline", "train/consolidate"},
+    "deepspeed": {"engine/engine", "engine/universal", "engine/memory", "engine/pipeline", "train/consolidate"},
     "flash_attn": {"model/attention"},
     "flash_attn_interface": {"model/attention"},
     "pyfaidx": {"data/fasta"},
@@ -72,8 +61,8 @@ SEAMS = {
     },
     "peft": {"model/lora"},  # LoRA adapters of `finetune`
     "sklearn": {"observe/task_metrics", "after_training/supervised_vep", "run/task_baseline", "run/task_probe"},
-    "torchao": {"after_training/quantize", "train/optimizers"},  # int8 export; the 8-bit AdamW on CPU
-    "bitsandbytes": {"train/optimizers"},  # the 8-bit AdamW on CUDA
+    "torchao": {"after_training/quantize", "engine/optimizers"},  # int8 export; the 8-bit AdamW on CPU
+    "bitsandbytes": {"engine/optimizers"},  # the 8-bit AdamW on CUDA
     "mambapy": {"model/caduceus/scan"},  # Caduceus' torch scan (the reference and the fallback)
     "mamba_ssm": {"model/caduceus/scan"},  # its CUDA kernel, where installed
     "gpn": set(),  # the GPN oracle of tests/test_gpn.py: never the package
@@ -81,11 +70,10 @@ SEAMS = {
 
 
 def layer_of(rel: str) -> int:
-    parts = rel.split("/")
-    for n in range(len(parts), 0, -1):  # longest known prefix: "train/loop/LoopPlan" -> "train/loop"
-        if "/".join(parts[:n]) in LAYERS:
-            return LAYERS["/".join(parts[:n])]
-    raise AssertionError(f"module {rel} has no layer in tests/test_layers.py: add it")
+    """The layer of a module: its folder's ("train/loop" -> "train"), or its own for a top-level module."""
+    folder = rel.split("/")[0]
+    assert folder in LAYERS, f"module {rel} has no layer in tests/test_layers.py: add its folder"
+    return LAYERS[folder]
 
 
 def modules():
@@ -109,7 +97,7 @@ def imported(tree, package: str):
                 parts = package.split("/") if package else []
                 parts = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
                 base = ".".join(["megagenome", *parts] + ([node.module] if node.module else []))
-            # `from megagenome.train import engine` imports megagenome.train.engine
+            # `from megagenome.engine import engine` imports megagenome.engine.engine
             yield from (f"{base}.{a.name}" for a in node.names)
 
 
@@ -180,7 +168,7 @@ def test_nothing_but_the_command_line_imports_the_cli():
 
 
 def test_plan_and_dry_run_import_no_deepspeed(tmp_path):
-    """The planner and --dry_run merge and check the DeepSpeed JSON (train/ds_config.py) without the engine seam: in
+    """The planner and --dry_run merge and check the DeepSpeed JSON (engine/ds_config.py) without the engine seam: in
     a fresh interpreter, after each command, no deepspeed module is loaded."""
     fasta = copy_genome("phiX174_NC_001422.1.fna", tmp_path)
     cfg = tiny_config(tmp_path, fasta, tmp_path / "run")
@@ -204,7 +192,7 @@ print("DEEPSPEED_MODULES", loaded)
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package modules it imports (module-level and inside functions alike: a lazy import is still a
     dependency), each import resolved to the module file it loads (`from megagenome.config import X` -> config,
-    `from megagenome.train import engine` -> train/engine)."""
+    `from megagenome.engine import engine` -> engine/engine)."""
     trees = {rel: (package, tree) for rel, package, tree in modules()}
     graph = {}
     for rel, (package, tree) in trees.items():

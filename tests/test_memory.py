@@ -1,7 +1,7 @@
 """Tiers 1-3: per-rank model-state bytes (memory.json) against the ZeRO formulas, 2 ranks, bf16, ZeRO 0-3.
 
 Every scenario runs `megagenome pretrain` through tests/support/worker.py, all in one 2-rank launch of the real
-`deepspeed` launcher, and is judged by the memory.json it wrote: train/memory.py model_state_bytes() counts the
+`deepspeed` launcher, and is judged by the memory.json it wrote: engine/memory.py model_state_bytes() counts the
 tensors the engine holds (not RSS) at step 2, between backward and the optimizer step.
 
 The model (d_model 256, 4 layers, Psi = 3.2M parameters) is big enough that alignment padding is negligible.

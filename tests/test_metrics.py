@@ -143,7 +143,7 @@ def deepspeed_world():
 @pytest.fixture(scope="module")
 def deepspeed_checkpoint(deepspeed_world):
     """DeepSpeed's (reentrant) checkpoint function, configured as the assembly configures it."""
-    from megagenome.train import engine
+    from megagenome.engine import engine
 
     block = json.loads((REPO / "ds_configs" / "activation_checkpointing.json").read_text())
     return engine.activation_checkpoint_function(final_ds_config(block))
@@ -228,7 +228,7 @@ def test_forward_flops_match_deepspeeds_profiler(stage, deepspeed_world, capsys)
     """
     from deepspeed.profiling.flops_profiler import FlopsProfiler
 
-    from megagenome.train import engine as ds
+    from megagenome.engine import engine as ds
 
     L, d, s, b = 2, 64, 64, 2
     cfg = RootConfig()

@@ -76,7 +76,7 @@ def run(root, fasta: str, family: str, name: str, ds_config, micro: int, accum: 
 # Every run masks 15% of the bases. The mlm objective selects a random number of positions per window, so the runs
 # that regroup the global batch (1 rank against 2, accumulation, a universal checkpoint resumed at another
 # data-parallel size) agree only because a step's loss is the mean over the whole global batch
-# (train/token_mean.py); with each micro batch's own mean they differed by 0.4-0.9% in gradient norm.
+# (engine/token_mean.py); with each micro batch's own mean they differed by 0.4-0.9% in gradient norm.
 
 
 def family_scenarios(root, fasta: str, family: str) -> tuple[list[dict], list[dict]]:

@@ -1,4 +1,4 @@
-"""--train.optimizer (train/optimizers.py): LAMB against the paper, the refusal matrix, optimizer-state bytes, and
+"""--train.optimizer (engine/optimizers.py): LAMB against the paper, the refusal matrix, optimizer-state bytes, and
 every optimizer trained by real DeepSpeed on 2 CPU ranks: the loss falls, and stopping at step 3 then resuming equals
 the uninterrupted run bit for bit.
 
@@ -23,11 +23,11 @@ from support.runs import STEPS, STOP, assert_equivalent, ds, run_worker, scenari
 from megagenome.config import ConfigError, ModelConfig, TrainConfig
 from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.engine import optimizers
 from megagenome.model.transformer import DNATransformer
 from megagenome.model.transformer.costs import model_shapes
 from megagenome.planner.states import Precision, bytes_per_parameter, model_states
 from megagenome.run import assembly
-from megagenome.train import optimizers
 
 # ----- LAMB against the paper (You et al. 2019, Algorithm 2) ------------------------------------------------------
 
@@ -290,7 +290,7 @@ def test_state_bytes_per_parameter():
 def test_replica_state_bytes_per_parameter():
     """memory.json's figure is per data-parallel replica: AdamW's 8 bytes at ZeRO-0 (each of 2 ranks a full copy)
     and at ZeRO-1 (2 ranks, half each), and with 2-way model parallelism (each rank half the parameters)."""
-    from megagenome.train.memory import replica_state_bytes_per_parameter as per_replica
+    from megagenome.engine.memory import replica_state_bytes_per_parameter as per_replica
 
     psi = 1000
     assert per_replica([{"optimizer_states": 8 * psi, "parameters": psi}] * 2, 0, 2) == 8.0

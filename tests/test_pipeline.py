@@ -1,4 +1,4 @@
-"""Pipeline parallelism (parallel/pipeline.py): DNATransformer as a DeepSpeed PipelineModule.
+"""Pipeline parallelism (engine/pipeline.py): DNATransformer as a DeepSpeed PipelineModule.
 
 Tier 1: DeepSpeed's pipe x data topology against ParallelState's rank layout, and the refusal of ZeRO-2 with
 pipeline stages before anything starts (assembly.validate, and the real CLI with --dry_run); the layout's other
@@ -49,9 +49,9 @@ from support.saved import param_storages, saved_bytes
 from megagenome.config import ConfigError, ModelConfig, ParallelConfig
 from megagenome.config.load import config_from_dict
 from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.engine import pipeline
 from megagenome.model.transformer import DNATransformer
 from megagenome.model.transformer.blocks import Block
-from megagenome.parallel import pipeline
 from megagenome.run.assembly import validate
 
 DROPOUT = 0.1  # only in the resume pair; every equivalence across layouts runs without dropout
@@ -176,7 +176,7 @@ def test_one_stage_equals_the_dense_model(world_of_one, tie, policy):
 def deepspeed_checkpoint_fn():
     """DeepSpeed's checkpoint function configured from ds_configs/activation_checkpointing.json, as the assembly
     gets it (pipeline.build then uses DeepSpeed's non-reentrant variant)."""
-    from megagenome.train import engine
+    from megagenome.engine import engine
 
     block = json.loads((REPO / "ds_configs" / "activation_checkpointing.json").read_text())
     return engine.activation_checkpoint_function(final_ds_config(block))

@@ -1,7 +1,7 @@
 """`megagenome plan` (megagenome/run/plan.py, megagenome/planner/): its predictions against measurements.
 
 (a) tiers 2-3: per-rank model-state bytes predicted by the planner against the tensor bytes DeepSpeed holds
-    (memory.json, train/memory.py) on 2 CPU ranks, ZeRO 0-3, bf16 / bf16 + fp32 accumulation / fp32, and offload,
+    (memory.json, engine/memory.py) on 2 CPU ranks, ZeRO 0-3, bf16 / bf16 + fp32 accumulation / fp32, and offload,
     every component within 10% (in practice exact but for DeepSpeed's alignment padding), one launch of the real
     `deepspeed` launcher for all scenarios;
 (b) tier 1: the per-layer activation formula against the bytes autograd saves (the measurement of

@@ -1,4 +1,4 @@
-"""Learning-rate schedules (--train.schedule cosine|wsd|linear|constant, train/schedules.py).
+"""Learning-rate schedules (--train.schedule cosine|wsd|linear|constant, engine/schedules.py).
 
 Tier 1 (pure functions): the multiplier's shapes (warmup end, stable plateau, decay end at min_lr, monotone, the
 1-sqrt formula), cosine equal to DeepSpeed's own WarmupCosineLR at every step, the scheduler object (per-group peak
@@ -22,11 +22,11 @@ from support.helpers import copy_genome
 from support.runs import LOSS_ATOL, WEIGHT_ATOL, ds, max_abs_diff, run_worker, scenario
 
 from megagenome.config import RootConfig, TrainConfig, validate
+from megagenome.engine.ds_config import scaled_lr
+from megagenome.engine.ds_final import build_ds_config
+from megagenome.engine.schedules import Schedule, StepScheduler, client_scheduler, scheduler_entry
 from megagenome.observe.metrics import read_metrics
 from megagenome.parallel.layout import BatchSizes
-from megagenome.train.ds_config import scaled_lr
-from megagenome.train.ds_final import build_ds_config
-from megagenome.train.schedules import Schedule, StepScheduler, client_scheduler, scheduler_entry
 
 
 def wsd(max_steps=100, warmup=10, fraction=0.2, shape="sqrt", min_lr=1e-4, lr=1e-3) -> Schedule:

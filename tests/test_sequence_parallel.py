@@ -29,11 +29,11 @@ from support.runs import STEPS, max_abs_diff, run_worker, scenario
 
 from megagenome.config import ConfigError, ModelConfig
 from megagenome.config.load import config_from_dict
+from megagenome.engine import engine
 from megagenome.model.transformer import DNATransformer
 from megagenome.model.transformer.blocks import RotaryEmbedding
 from megagenome.parallel.sequence import shard_batch
 from megagenome.run.assembly import validate
-from megagenome.train import engine
 
 # sp_checks: largest difference measured / allowed. float64 models still compute the loss in float32
 # (forward's log-softmax), hence the 1e-8 relative on their gradients.

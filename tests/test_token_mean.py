@@ -1,4 +1,4 @@
-"""train/token_mean.py: a step's loss is the mean over every target of the global batch, however it is grouped.
+"""engine/token_mean.py: a step's loss is the mean over every target of the global batch, however it is grouped.
 
 In-process (no ranks): the gradient DeepSpeed forms from accumulated micro batches (each micro loss scaled by
 1 / accumulation, summed) is compared across groupings of the same 8 masked windows into 1 x 8, 2 x 4 and 4 x 2
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from megagenome.config import ModelConfig
+from megagenome.engine.token_mean import set_global_denominators
 from megagenome.model import family_of
-from megagenome.train.token_mean import set_global_denominators
 
 
 def _batch(n: int = 8, T: int = 32) -> dict[str, torch.Tensor]:

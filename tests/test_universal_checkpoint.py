@@ -213,7 +213,7 @@ def test_bf16_converted_resume_on_one_rank(runs):
 def test_universal_round_trip_under_the_same_layout_is_exact(runs, name):
     """Converted and resumed on the same 2 ranks, the run is bit-identical to the uninterrupted one: the universal
     format loses nothing (fp32 master weights, Adam moments and step, LR schedule; bf16 included), and ZeRO-3's
-    optimizer groups and step counts are repaired (train/universal.py repair_universal_load)."""
+    optimizer groups and step counts are repaired (engine/universal.py repair_universal_load)."""
     reference = name.removesuffix("_split")
     rows = runs.same.rows(f"{name}_same")
     train = [r for r in rows if "split" not in r]

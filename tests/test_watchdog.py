@@ -1,4 +1,4 @@
-"""Hang watchdog (train/watchdog.py): no completed step within --train.hang_timeout_s -> every thread's stack dumped,
+"""Hang watchdog (engine/watchdog.py): no completed step within --train.hang_timeout_s -> every thread's stack dumped,
 exit code 86, the last complete checkpoint left as it was.
 
 Tier 1: the watchdog object with a recorded exit instead of a real one (clock starts at the first step, beats
@@ -18,7 +18,7 @@ import pytest
 from support.helpers import BIN, REPO, copy_genome, env, free_port, tiny_config, write_yaml
 
 from megagenome.config import RootConfig, TrainConfig, validate
-from megagenome.train.watchdog import HANG_EXIT, Watchdog
+from megagenome.engine.watchdog import HANG_EXIT, Watchdog
 
 
 class Exited(list):

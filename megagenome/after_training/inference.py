@@ -108,7 +108,7 @@ def start_world() -> World:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from megagenome.train import engine
+        from megagenome.engine import engine
 
         engine.init_distributed()
     return World(dist.get_rank(), dist.get_world_size())

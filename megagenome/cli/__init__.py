@@ -215,7 +215,7 @@ def _close_world(rc: int) -> int:
     if dist is None or not dist.is_initialized():
         return rc
     if rc == 0:
-        from megagenome.train import engine
+        from megagenome.engine import engine
 
         engine.shutdown()
     else:

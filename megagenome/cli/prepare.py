@@ -1,4 +1,4 @@
-"""`megagenome prepare` (layer L5): the genomes of a manifest -> memory-mapped token shards (data/prepare.py does
+"""`megagenome prepare` (layer L5): the genomes of a manifest -> memory-mapped token shards (run/prepare.py does
 the work)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def parser() -> ArgumentParser:
 
 def main(parsed: Parsed) -> int:
     ns = parsed.ns
-    from megagenome.data import prepare
+    from megagenome.run import prepare
 
     prog = "megagenome prepare"
     if ns.workers < 1:

@@ -1,4 +1,4 @@
-"""The cluster commands (layer L4): `megagenome hostfile` (write a DeepSpeed hostfile from a Slurm node list, or
+"""The cluster commands (layer L1): `megagenome hostfile` (write a DeepSpeed hostfile from a Slurm node list, or
 check one) and `megagenome deepspeed-env` (write .deepspeed_env). The CLI (cli/hostfile.py, cli/deepspeed_env.py) parses
 their flags; the work is cluster/hostfile.py's and cluster/deepspeed_env.py's. Errors go to stderr with exit status 2.
 """

@@ -1,7 +1,7 @@
 """Static checks of a run config and a data manifest (layer L0): every problem, each naming its flag.
 
 Checks here need nothing but the config itself. Checks that need the world size (the parallel layout and the
-batch identity: parallel/layout.py), the DeepSpeed JSON (train/ds_config.py) or the files on disk (the FASTA,
+batch identity: parallel/layout.py), the DeepSpeed JSON (engine/ds_config.py) or the files on disk (the FASTA,
 the resume target: assembly.py) run later, before any process group starts; config/load.py points each message
 at the YAML file and line that set the flag.
 """
@@ -345,7 +345,7 @@ def _train_problems(t: TrainConfig) -> list[str]:
 
 def wsd_decay_steps(max_steps: int, fraction: float) -> int:
     """Steps of a wsd schedule's decay: fraction x max_steps rounded half up, at least 1. Never more steps for a
-    smaller max_steps, so a longer run's stable phase covers a shorter one's (extending a run, train/schedules.py)."""
+    smaller max_steps, so a longer run's stable phase covers a shorter one's (extending a run, engine/schedules.py)."""
     return max(1, math.floor(fraction * max_steps + 0.5))
 
 

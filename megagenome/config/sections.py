@@ -258,7 +258,7 @@ class TrainConfig:
     warmup_steps: int = 100
     """Steps of linear warmup from 0 to lr."""
     schedule: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
-    """Learning-rate schedule after the warmup (train/schedules.py): cosine (DeepSpeed's WarmupCosineLR, decaying to
+    """Learning-rate schedule after the warmup (engine/schedules.py): cosine (DeepSpeed's WarmupCosineLR, decaying to
     min_lr at --train.max_steps), linear (straight to min_lr at max_steps), constant (lr until the end) or wsd
     (warmup-stable-decay: lr until the last --train.decay_fraction of max_steps, then down to min_lr; the stable
     phase does not depend on max_steps, so a run can be extended from a checkpoint taken before its decay)."""

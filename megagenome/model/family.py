@@ -85,7 +85,7 @@ class PipelineLayers:
     """A model as DeepSpeed's pipeline runs it: embedding (token ids -> x), body (x -> x each, in order), head
     (x -> logits); tied: the head is the embedding's matrix (the pipeline ties them across its first and last
     stage, rebuilding the embedding as an nn.Embedding, or a VocabParallelEmbedding under tensor parallelism, of
-    the model's padded_vocab_size rows and its weight's width). parallel/pipeline.py builds the PipelineModule."""
+    the model's padded_vocab_size rows and its weight's width). engine/pipeline.py builds the PipelineModule."""
 
     embedding: nn.Module
     body: list[nn.Module]

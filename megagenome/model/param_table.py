@@ -28,7 +28,7 @@ class ParamTable:
 
     def param_shapes(self, tp: int = 1) -> list[tuple[tuple[int, ...], bool]]:
         """(shape, is a hidden matrix: 2-D and not a vocabulary matrix, what Muon takes) of each parameter a rank
-        holds: what optimizer-state bytes depend on (train/optimizers.py tag_muon's rule)."""
+        holds: what optimizer-state bytes depend on (engine/optimizers.py tag_muon's rule)."""
         return [(s, len(s) == 2 and not vocab) for s, _, vocab in self.param_table(tp)]
 
     def n_params(self, tp: int = 1) -> int:

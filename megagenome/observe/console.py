@@ -102,7 +102,7 @@ class RankLogs:
     """This rank's <run dir>/logs/rank<N>.log for one run (close() undoes everything): DeepSpeed's logger at INFO
     into it, its stdout handler filtered by `shown`, Python warnings into it (shown too unless QUIET_CATEGORIES),
     and `quiet()` to send what DeepSpeed prints there. ds_logger: DeepSpeed's logger, already imported (its stdout
-    handler exists only then; train/engine.py deepspeed_logger)."""
+    handler exists only then; engine/engine.py deepspeed_logger)."""
 
     def __init__(self, run_dir: str, rank: int, ds_logger: logging.Logger):
         os.makedirs(os.path.join(run_dir, LOGS), exist_ok=True)

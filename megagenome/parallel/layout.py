@@ -215,7 +215,7 @@ def _tensor_problems(layout: ParallelLayout, rules) -> list[str]:
 
 
 def _pipeline_problems(par: ParallelConfig, m: ModelConfig, rules) -> list[str]:
-    """Pipeline stages (parallel/pipeline.py): the partition method, recomputation, layers per stage."""
+    """Pipeline stages (engine/pipeline.py): the partition method, recomputation, layers per stage."""
     out = []
     method = par.pipeline_partition
     if method not in PARTITION_METHODS:
@@ -267,7 +267,7 @@ def _zero_problems(layout: ParallelLayout, zero: dict, source: str) -> list[str]
         problems.append(
             f"{source}: zero_optimization.reduce_scatter=false at stage 3 cannot run with --parallel.sequence="
             f"{layout.sequence}: DeepSpeed 0.19 then scales sequence-parallel gradients differently from one "
-            "reduction bucket to the next (see train/engine.py sequence_parallel_grad_factor); drop the key "
+            "reduction bucket to the next (see engine/engine.py sequence_parallel_grad_factor); drop the key "
             "(default true)"
         )
     return problems

@@ -5,7 +5,7 @@ The scheme, and where each piece lives:
 - Data (`shard_batch`, called by pretrain.py): the sp ranks of one data-parallel replica read the same
   samples and each keeps one contiguous chunk of T/sp positions of every (B, T) tensor. Embedding, norms,
   MLP and LM head work per position, so they run on the chunk unchanged.
-- Attention (train/engine.py `sequence_parallel_attention`, installed with the model's set_sequence_parallel,
+- Attention (engine/engine.py `sequence_parallel_attention`, installed with the model's set_sequence_parallel,
   e.g. DNATransformer's): DeepSpeed's DistributedAttention all-to-alls q, k and v from
   (B, T/sp, n_head) to (B, T, n_head/sp), so each rank runs the ordinary attention kernel over the whole
   sequence for n_head/sp heads (the causal mask is the usual one, since every rank sees positions 0..T-1),
@@ -20,7 +20,7 @@ The scheme, and where each piece lives:
   (engine `_reduce_non_expert_gradients`, ZeRO 1-2 likewise), i.e. it sums over the sp ranks and averages
   over data-parallel replicas: exactly the gradient of the non-parallel objective. ZeRO-3's reduce-scatter
   divides by sp x dp instead, so there each chunk's loss is scaled by sp (`loss_factor`, from
-  train/engine.py `sequence_parallel_grad_factor`); ZeRO-3 parameters are partitioned over sp x dp too.
+  engine/engine.py `sequence_parallel_grad_factor`); ZeRO-3 parameters are partitioned over sp x dp too.
 - Logging (train/loop.py): a step's loss is summed over the sp ranks of a replica before averaging over
   replicas (LoopPlan.loss_shards; 1 where the chunk losses are scaled by sp). Evaluation sums nll and weight
   over all ranks, which already covers every chunk once, so bits/base is that of the whole windows.
@@ -40,7 +40,7 @@ def shard_batch(batch: dict[str, torch.Tensor], rank: int, size: int, loss_facto
     whole batch (at least 1) divided by loss_factor, by which the model divides this chunk's nll (module docstring).
 
     loss_factor > 1 multiplies the chunk's loss, for an engine whose gradient reduction divides by that much
-    too many ranks (DeepSpeed's ZeRO-3, train/engine.py sequence_parallel_grad_factor)."""
+    too many ranks (DeepSpeed's ZeRO-3, engine/engine.py sequence_parallel_grad_factor)."""
     if size == 1:
         return batch
     T = batch["input_ids"].size(1)

@@ -51,7 +51,7 @@ DS_DEFAULTS = {
 STAGE0_ALLREDUCE_ELEMENTS = 500_000_000  # the engine's elements_per_buffer for ZeRO-0 gradient all-reduce
 
 
-# Optimizer-state bytes per element (train/optimizers.py builds these): fp32 exp_avg and exp_avg_sq for AdamW and
+# Optimizer-state bytes per element (engine/optimizers.py builds these): fp32 exp_avg and exp_avg_sq for AdamW and
 # LAMB; Muon's fp32 momentum on its matrices; 8-bit Adam's two int8 moments plus one fp32 scale per block of 256 for
 # each (bitsandbytes and torchao alike quantize only tensors of >= 4096 elements, whole blocks for torchao), and per
 # quantized tensor torchao's two 256-entry fp32 code books (bitsandbytes shares one per optimizer).
@@ -214,7 +214,7 @@ def paper_bytes(psi: int, stage: int, dp: int) -> float:
 def resident_buffers(
     psi: int, stage: int, dp: int, precision: Precision, zero: dict, largest: int, offload: bool = False
 ) -> Where:
-    """Optimizer-wrapper buffers held across the step (what train/memory.py reports as "buffers")."""
+    """Optimizer-wrapper buffers held across the step (what engine/memory.py reports as "buffers")."""
     p = precision.p
     knobs = {**DS_DEFAULTS, **zero}
     if stage == 3:

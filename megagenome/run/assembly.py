@@ -30,18 +30,18 @@ from megagenome.data import fingerprint as data_fingerprint
 from megagenome.data import quick_checks
 from megagenome.data.dataset import GenomeData, build_genome_data, build_prepared_data
 from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.engine import ds_config, ds_final, optimizers, pipeline, schedules
+from megagenome.engine import engine as ds
 from megagenome.files.run_files import CHECKPOINTS, CONFIG
 from megagenome.model import family_of
 from megagenome.model.distill import Teacher
-from megagenome.parallel import pipeline
 from megagenome.parallel.layout import BatchSizes, LayoutError, ParallelLayout
 from megagenome.parallel.sequence import shard_batch
 from megagenome.parallel.sequence_conv import ConvExchange
 from megagenome.parallel.state import ParallelState
 from megagenome.parallel.tensor_parallel import TensorParallelLayers
 from megagenome.run import resume_checks
-from megagenome.train import checkpoint, ds_config, ds_final, optimizers, schedules
-from megagenome.train import engine as ds
+from megagenome.train import checkpoint
 from megagenome.train.loop import evaluate, forward_sums
 
 
@@ -65,7 +65,7 @@ def validate(
     """Validate everything that can be checked without a process group; raise ConfigError listing every problem,
     each flag located in the YAML files that set it. data=False skips opening the genome; runtime=False skips what
     only the machine that trains can answer (whether DeepSpeed's async I/O op builds here: `--dry_run`, which
-    imports no deepspeed, and checks DeepSpeed's JSON sections against train/ds_schema.py's copy)."""
+    imports no deepspeed, and checks DeepSpeed's JSON sections against engine/ds_schema.py's copy)."""
     problems = locate(validate_config(cfg), config_files)
     ds_json, ds_problems = _ds_json(cfg, config_files, runtime)
     problems += ds_problems
@@ -202,7 +202,7 @@ class Run:
     @property
     def eval_sums(self):
         """sums(engine, batches, to_device) -> (nll_sum, weight_sum) of this rank's evaluation batches: train/loop.py
-        evaluate's `sums` (a pipeline engine's last stage holds the loss, parallel/pipeline.py)."""
+        evaluate's `sums` (a pipeline engine's last stage holds the loss, engine/pipeline.py)."""
         return pipeline.eval_sums if self.layout.pipeline > 1 else forward_sums
 
 

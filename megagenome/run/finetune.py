@@ -8,7 +8,7 @@ Stages, each failure before the process group reported with every problem at onc
     build        every rank: the backbone from the pretrained weights, LoRA adapters (model/lora.py, peft) or a
                  frozen backbone if asked, the head (model/heads.py), seeded alike on every rank; DeepSpeed around
                  it: ZeRO 0-3 and offload, bf16/fp16, gradient accumulation, clipping, AdamW and the schedule
-                 (train/ds_final.py builds the dict as for pretraining)
+                 (engine/ds_final.py builds the dict as for pretraining)
     records      config.yaml, ds_config.json, env.json and task.json (what export needs to rebuild the task model)
     resume       --checkpoint.resume auto: the newest complete checkpoint (step, early-stopping state), refused when
                  it was written for another task, model or data
@@ -47,6 +47,8 @@ from megagenome.config.finetune import (
 )
 from megagenome.config.load import locate
 from megagenome.data.task_batches import TrainBatches
+from megagenome.engine import ds_config, ds_final, schedules
+from megagenome.engine import engine as ds
 from megagenome.files.run_files import BEST, CHECKPOINTS, CONFIG, DS_CONFIG, ENV, METRICS, SUMMARY, TASK
 from megagenome.model import family_of
 from megagenome.model import lora as lora_adapters
@@ -60,8 +62,7 @@ from megagenome.parallel.layout import BatchSizes, ParallelLayout
 from megagenome.parallel.state import ParallelState
 from megagenome.run import task_baseline, task_data, task_eval, task_probe
 from megagenome.run.task_data import TaskData
-from megagenome.train import checkpoint, ds_config, ds_final, schedules
-from megagenome.train import engine as ds
+from megagenome.train import checkpoint
 from megagenome.train.consolidate import CheckpointError
 from megagenome.train.task_loop import EarlyStopping, TaskPlan, fit_task
 

@@ -20,16 +20,8 @@ from megagenome.config import RootConfig
 from megagenome.config.checks import seq_warmup_problems
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import family_of
-from megagenome.observe.metrics import gpu_memory_gib, peak_tflops
-from megagenome.parallel.layout import LayoutError, ParallelLayout
-from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
-from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
-from megagenome.planner.inference import inference_memory
-from megagenome.planner.states import DTYPE_BYTES, STATES, Precision, bytes_per_parameter
-from megagenome.planner.timing import Cluster
-from megagenome.train import optimizers
-from megagenome.train.ds_config import (
+from megagenome.engine import optimizers
+from megagenome.engine.ds_config import (
     ds_config_files,
     dtype_name,
     load_ds_json,
@@ -38,6 +30,14 @@ from megagenome.train.ds_config import (
     weights_dtype,
     zero_stage,
 )
+from megagenome.model import family_of
+from megagenome.observe.metrics import gpu_memory_gib, peak_tflops
+from megagenome.parallel.layout import LayoutError, ParallelLayout
+from megagenome.planner.breakdown import TERMS, Rates, breakdown, hbm_tbps
+from megagenome.planner.choose import Candidate, Setup, evaluate, grid, recommend, scaling
+from megagenome.planner.inference import inference_memory
+from megagenome.planner.states import DTYPE_BYTES, STATES, Precision, bytes_per_parameter
+from megagenome.planner.timing import Cluster
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(megagenome.__file__))), "ds_configs")
 PROG = "megagenome plan"
@@ -129,7 +129,7 @@ def _fragments(stage: int, offload: bool) -> tuple[str, dict]:
 
 
 def optimizer_refusals(cfg: RootConfig, ds: dict, prec: Precision) -> dict[tuple[int, bool], str]:
-    """(stage, offload) -> why --train.optimizer cannot run there (train/optimizers.py problems), for the grid's
+    """(stage, offload) -> why --train.optimizer cannot run there (engine/optimizers.py problems), for the grid's
     candidates: the user's DeepSpeed JSON with the candidate's shipped ZeRO fragment and the plan's precision, so the
     plan never recommends a run that validation refuses. The bitsandbytes check belongs to the launching machine."""
     out = {}

@@ -35,10 +35,10 @@ import uuid
 
 import megagenome
 from megagenome.config import ConfigError, RootConfig, to_dict
+from megagenome.engine import engine as ds
 from megagenome.files.run_files import PREFLIGHT
 from megagenome.observe.record import git_commit
 from megagenome.run import assembly
-from megagenome.train import engine as ds
 
 DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}

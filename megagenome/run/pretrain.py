@@ -28,24 +28,25 @@ import torch
 from megagenome.config import ConfigError, RootConfig, config_hash, resume_record, signal_number, to_dict
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import GenomeData
+from megagenome.engine import ds_config, ds_final, pipeline
+from megagenome.engine import engine as ds
+from megagenome.engine.memory import memory_probe
+from megagenome.engine.token_mean import step_denominators
+from megagenome.engine.watchdog import Watchdog
 from megagenome.files.run_files import CONFIG, DS_CONFIG, ENV, MEMORY, METRICS, SPLIT
 from megagenome.model import attention_summary, family_of
 from megagenome.observe import console, dashboards
 from megagenome.observe.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak
 from megagenome.observe.record import env_record, write_json, write_yaml
-from megagenome.parallel import pipeline, tensor_parallel
+from megagenome.parallel import tensor_parallel
 from megagenome.parallel.sequence import shard_batch
 from megagenome.run import assembly, host_memory, resume_checks, summary
 from megagenome.run.assembly import Run, Validated
 from megagenome.run.lock import RunLock, RunLocked
-from megagenome.train import checkpoint, ds_config, ds_final, loop
-from megagenome.train import engine as ds
+from megagenome.train import checkpoint, loop
 from megagenome.train.divergence import Guard, guard_optimizer
 from megagenome.train.loop import LoopPlan, StopRequest, TokenCounter, TrainingStopped, fit
-from megagenome.train.memory import memory_probe
 from megagenome.train.prefetch import Prefetcher
-from megagenome.train.token_mean import step_denominators
-from megagenome.train.watchdog import Watchdog
 
 
 def dry_run(cfg: RootConfig, config_files: list[str], args: list[str]) -> dict:

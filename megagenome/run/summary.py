@@ -121,7 +121,7 @@ def finished_rerun(cfg: RootConfig, resume_from: str | None, rank: int, broadcas
     --train.max_steps) builds nothing and rewrites nothing: rank 0 prints the finished run's summary.json as
     recorded. Returns it ({} on the other ranks), or None to run as usual: something to train, or no summary of that
     step to show (the run then writes one, saying that this invocation trained no steps). broadcast: rank 0's
-    object to every rank (train/engine.py broadcast_object), so that all ranks take the same way."""
+    object to every rank (engine/engine.py broadcast_object), so that all ranks take the same way."""
     if resume_from is None:
         return None
     step = checkpoint.read_info(resume_from).get("step")

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from megagenome.data.task_batches import IGNORE, eval_batches
+from megagenome.engine import engine as ds
 from megagenome.observe.record import atomic_write
 from megagenome.observe.task_metrics import task_metrics
-from megagenome.train import engine as ds
 
 
 class Evaluator:

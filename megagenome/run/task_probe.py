@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from megagenome.data.task_batches import IGNORE, eval_batches
+from megagenome.engine import engine as ds
 from megagenome.model.heads import FINAL_NORM, pool
 from megagenome.observe.task_metrics import HIGHER_IS_BETTER
 from megagenome.run.task_baseline import predicted
 from megagenome.run.task_eval import score
-from megagenome.train import engine as ds
 
 MAX_EXAMPLES = 2000  # training (and validation) examples the probes see: a seeded sample beyond this
 MAX_POSITIONS = 50_000  # per-base tasks: labelled bases per split

@@ -24,9 +24,10 @@ import shutil
 
 import torch
 
+from megagenome.engine import safe_load, universal  # universal: a DeepSpeed seam, deepspeed imported inside
 from megagenome.files.run_files import CHECKPOINTS, UNIVERSAL
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.train import integrity, safe_load, universal  # universal: a DeepSpeed seam, deepspeed imported inside
+from megagenome.train import integrity
 from megagenome.train.integrity import MARKER, SaveError, verify
 from megagenome.train.integrity import agree_on_resume as agree_on_resume  # re-exported: part of this interface
 
@@ -128,7 +129,7 @@ def save(
 
     layout (a dict of LAYOUT_KEYS) goes into client_state.json with the client state, so a resume under another
     layout is refused before DeepSpeed is asked to load, and convert-checkpoint knows what it converts. gather is an
-    all_gather_object-style callable (train/engine.py all_gather_object) through which the ranks agree on the
+    all_gather_object-style callable (engine/engine.py all_gather_object) through which the ranks agree on the
     space check and on failures and share the hashing; None: a world of one (with several ranks, only `barrier`
     synchronises them, and a failure on one rank cannot reach the others).
 

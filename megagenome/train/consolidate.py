@@ -4,7 +4,7 @@ and export load, on one process, without the engine or the world that wrote the 
 Where the weights are, by layout (the run's config.yaml and ds_config.json say which):
 
 - pipeline stages: the layer files (layer_XX[-model_YY]-model_states.pt), renamed and tensor shards merged
-  (parallel/pipeline.py dense_state_dict);
+  (engine/pipeline.py dense_state_dict);
 - ZeRO-3: the parameters live only in the optimizer partitions; DeepSpeed's zero_to_fp32 gathers the fp32 master
   weights;
 - ZeRO 0-2, any tensor-parallel degree, sequence parallel: mp_rank_XX_model_states.pt (one per tensor rank, written
@@ -29,13 +29,13 @@ import torch
 from megagenome.config import ModelConfig, RootConfig
 from megagenome.config.load import load_config
 from megagenome.data.tokenizer import VOCAB_SIZE
+from megagenome.engine import pipeline, safe_load
+from megagenome.engine.ds_config import zero_stage
+from megagenome.engine.safe_load import CheckpointError
 from megagenome.files.run_files import CHECKPOINTS, CONFIG, DS_CONFIG
 from megagenome.model import family_of
-from megagenome.parallel import pipeline
 from megagenome.parallel.tensor_parallel import merge_shards
-from megagenome.train import checkpoint, integrity, safe_load
-from megagenome.train.ds_config import zero_stage
-from megagenome.train.safe_load import CheckpointError
+from megagenome.train import checkpoint, integrity
 
 __all__ = ["CheckpointError", "checkpoint_tag", "check_shapes", "dense_state_dict", "module_shards", "run_weights"]
 

@@ -1,4 +1,4 @@
-"""Checkpoint integrity (layer L2, standard library only): the manifest of sizes and SHA-256 digests that a
+"""Checkpoint integrity (layer L3, standard library only): the manifest of sizes and SHA-256 digests that a
 COMPLETE marker holds and its verification; the disk-space check before a save and the one clear error
 (SaveError) when a save fails, a full disk recognised as such; the warnings of a resume that skipped damaged
 checkpoints, and the ranks' agreement on the checkpoint to resume from.
@@ -6,7 +6,7 @@ checkpoints, and the ranks' agreement on the checkpoint to resume from.
 A COMPLETE marker is JSON, {"step": N, "files": {relative path: {"size": bytes, "sha256": hex}}}, listing every
 file of the tag directory except the marker itself. Markers written by earlier versions hold just "N\\n": the
 checkpoint is complete, but there is no manifest to verify it against. train/checkpoint.py writes and reads
-markers through this module; it imports nothing of megagenome, so checkpoint.py (L3) may use it.
+markers through this module, which imports nothing of megagenome.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The training loop (layer L3): step, evaluate, log, checkpoint.
 
 It talks to the DeepSpeed engine only through a step function (StepFn: `forward_backward_step` below, or a
-pipeline engine's, parallel/pipeline.py), `engine(**batch)` for evaluation (or the pipeline's eval function),
+pipeline engine's, engine/pipeline.py), `engine(**batch)` for evaluation (or the pipeline's eval function),
 its learning rate, gradient norm and loss scale, and gets batches, collectives and checkpoint saving as plain
 callables, so the same loop serves any data source and any parallel layout.
 
@@ -164,7 +164,7 @@ def evaluate(
     """Held-out loss (nats) and bits per base over every rank's share of the eval windows.
 
     sums(engine, batches, to_device) scores this rank's batches; a pipeline engine passes its own
-    (parallel/pipeline.py eval_sums), since only its last stage sees the loss.
+    (engine/pipeline.py eval_sums), since only its last stage sees the loss.
     """
     engine.eval()
     with torch.no_grad():
@@ -180,9 +180,9 @@ batches, as a 0-dim float64 tensor on the device, not waited for: fit() reads it
 gradient norm if the step measured it, else None and the engine's is logged).
 
 Two implementations, with one signature: `forward_backward_step` below (engine(**batch), backward and step per
-micro batch) and parallel/pipeline.py `train_step` (DeepSpeed's pipeline schedule). Both take train_batch(step,
+micro batch) and engine/pipeline.py `train_step` (DeepSpeed's pipeline schedule). Both take train_batch(step,
 micro_step), to_device, the accumulation, and two optional callables run when the step's gradients are complete
-(reduced, not yet applied): grad_norm() -> float, given where DeepSpeed records no norm of its own (train/engine.py
+(reduced, not yet applied): grad_norm() -> float, given where DeepSpeed records no norm of its own (engine/engine.py
 reports_grad_norm), and on_gradients(step) (pretrain.py measures model-state memory there)."""
 
 
@@ -199,7 +199,7 @@ def forward_backward_step(
     """The step of a plain DeepSpeed engine: engine(**batch), backward and step for each micro batch
     train_batch(step, m); grad_norm() and on_gradients(step) run between the last backward and the optimizer step.
     denominators(batches), given, sets every micro batch's loss denominator from the step's whole batch before the
-    first forward (train/token_mean.py: the loss a mean over every target of the global batch, whatever the layout).
+    first forward (engine/token_mean.py: the loss a mean over every target of the global batch, whatever the layout).
     before_update(step loss, a device tensor) runs after the last forward, before its backward: True discards the
     step's update (train/divergence.py: the backward of a NaN-scaled loss makes the gradients non-finite, and
     DeepSpeed's overflow check drops them); it reads the loss back only while the spike detector tests. Nothing

@@ -35,7 +35,7 @@ launch scripts use) signals the ranks only, so the full grace period applies.
 Exit codes of `megagenome pretrain` (and of the launchers, which pass on the first failing rank's code):
 
     0    done                                 75   checkpoint signal: checkpoint saved, requeue (EX_TEMPFAIL)
-    1    error (a crash, a lost rank)         86   hang watchdog (train/watchdog.py)
+    1    error (a crash, a lost rank)         86   hang watchdog (engine/watchdog.py)
     2    refused config                       130  SIGINT (128 + 2), checkpoint saved if it fitted
     3    training stopped (fp16 at the        143  SIGTERM or the launcher gone (128 + 15), checkpoint saved if
          minimum loss scale, a failed save)        it fitted in --checkpoint.grace_s

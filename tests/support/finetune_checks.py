@@ -23,8 +23,8 @@ import torch.distributed as dist
 from megagenome.config.load import finetune_config_from_dict
 from megagenome.data.fasta import Genome
 from megagenome.data.species_task import build_species_task
+from megagenome.engine import engine
 from megagenome.run import finetune
-from megagenome.train import engine
 from support.helpers import DATA, REPO
 
 WINDOW = 64

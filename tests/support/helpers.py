@@ -119,7 +119,7 @@ def signal_run_config(tmp: pathlib.Path, fasta: str) -> str:
 def world_of_one():
     """A real gloo process group of one rank in this process (DeepSpeed's checkpointing and PipelineModule need
     one); the group and the launcher variables it sets are undone afterwards."""
-    from megagenome.train import engine
+    from megagenome.engine import engine
 
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
     saved = {k: os.environ.get(k) for k in keys}
@@ -138,10 +138,10 @@ def world_of_one():
 
 def final_ds_config(fragment: dict, train=None) -> dict:
     """The dict pretrain would give deepspeed.initialize for a DeepSpeed JSON `fragment`, one rank, the default
-    run config's batch, optimizer and schedule (or `train`'s): train/ds_final.py build_ds_config."""
+    run config's batch, optimizer and schedule (or `train`'s): engine/ds_final.py build_ds_config."""
     from megagenome.config import TrainConfig
+    from megagenome.engine.ds_final import build_ds_config
     from megagenome.parallel.layout import ParallelLayout
-    from megagenome.train.ds_final import build_ds_config
 
     train = train or TrainConfig()
     return build_ds_config(fragment, ParallelLayout(1).batch(train), train, universal=False, on_gpu=False)

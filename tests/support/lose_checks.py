@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from megagenome.train import engine
+from megagenome.engine import engine
 
 
 def corrupt_newest(run_dir: str) -> None:

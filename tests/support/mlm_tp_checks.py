@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from megagenome.config import ModelConfig
+from megagenome.engine import engine
 from megagenome.model import family_of
 from megagenome.parallel import tensor_parallel as tp
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.parallel.state import ParallelState
-from megagenome.train import engine
 from support.hyena_checks import _compare, _diff
 from support.tp_checks import VOCAB, _batch  # the transformer's check's batch: ids 3-7, 7 rows, padded to 8
 

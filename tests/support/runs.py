@@ -26,9 +26,9 @@ import torch
 import yaml
 
 from megagenome.config import ModelConfig
+from megagenome.engine import pipeline
 from megagenome.model import family_of
 from megagenome.observe.metrics import read_metrics
-from megagenome.parallel import pipeline
 from megagenome.parallel.tensor_parallel import merge_shards
 from support.helpers import BIN, PYTHON, REPO, env, free_port, tiny_config
 

@@ -15,6 +15,7 @@ import os
 import torch
 
 from megagenome.config import ModelConfig
+from megagenome.engine import engine
 from megagenome.model import family_of
 from megagenome.model.attention import attention
 from megagenome.model.transformer import DNATransformer
@@ -22,7 +23,6 @@ from megagenome.parallel.layout import ParallelLayout
 from megagenome.parallel.sequence import shard_batch
 from megagenome.parallel.sequence_conv import ConvExchange
 from megagenome.parallel.state import ParallelState
-from megagenome.train import engine
 from support.hyena_checks import MODELS as FORMS  # the imported forms of the tensor-parallel check
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megagenome.config import ModelConfig
+from megagenome.engine import engine
 from megagenome.model.transformer import TRANSFORMER, DNATransformer
 from megagenome.parallel import tensor_parallel as tp
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.parallel.state import ParallelState
-from megagenome.train import engine
 from support.helpers import REPO, final_ds_config
 from support.saved import saved_storage_bytes
 

@@ -29,8 +29,8 @@ import time
 import traceback
 
 from megagenome.config.load import config_from_dict
+from megagenome.engine import engine
 from megagenome.run import pretrain
-from megagenome.train import engine
 
 
 def main() -> int:

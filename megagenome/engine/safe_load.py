@@ -1,4 +1,4 @@
-"""Reading checkpoint files without running code from them (layer L3, a DeepSpeed seam).
+"""Reading checkpoint files without running code from them (layer L2, a DeepSpeed seam).
 
 A `.pt` file is a pickle, and `torch.load(weights_only=False)` calls whatever function the pickle names: a crafted
 `mp_rank_00_model_states.pt` in a run directory someone hands you would run its payload in `megagenome eval`. The

@@ -1,9 +1,9 @@
 """The DeepSpeed runtime seam (layer L2): process groups, deepspeed.initialize, collectives, and what can only be
 asked of the installed DeepSpeed (its pydantic config models, whether its async I/O op builds here).
 
-Everything that touches `deepspeed` lives here and in the other seams: train/universal.py (universal
-checkpoints), train/memory.py (model-state bytes) and parallel/pipeline.py. The DeepSpeed JSON as data (merge,
-checks, the final dict) is train/ds_config.py, which imports no deepspeed. The rest of the package sees a
+Everything that touches `deepspeed` lives here and in the other seams: engine/universal.py (universal
+checkpoints), engine/memory.py (model-state bytes) and engine/pipeline.py. The DeepSpeed JSON as data (merge,
+checks, the final dict) is engine/ds_config.py, which imports no deepspeed. The rest of the package sees a
 DeepSpeed engine only through `engine(**batch)`, `backward`, `step`, `save_checkpoint` and `load_checkpoint`,
 plus the small collective helpers below.
 """
@@ -20,8 +20,8 @@ import types
 import typing
 from typing import Any
 
-from megagenome.train import universal
-from megagenome.train.ds_schema import SCHEMA_FILE
+from megagenome.engine import universal
+from megagenome.engine.ds_schema import SCHEMA_FILE
 
 
 def nvme_problems() -> list[str]:
@@ -40,7 +40,7 @@ def nvme_problems() -> list[str]:
     ]
 
 
-# The sections train/ds_config.py checks against ds_sections.json, and the DeepSpeed model that validates each.
+# The sections engine/ds_config.py checks against ds_sections.json, and the DeepSpeed model that validates each.
 CHECKED_SECTIONS = {
     "zero_optimization": "deepspeed.runtime.zero.config:DeepSpeedZeroConfig",
     "bf16": "deepspeed.runtime.precision_config:DeepSpeedBF16Config",
@@ -108,7 +108,7 @@ def _type_spec(annotation) -> dict:
 
 def section_problems(ds: dict, sources: dict[str, str], path: str) -> list[str]:
     """Every problem of the checked sections of a (merged) DeepSpeed dict, as the installed DeepSpeed's own pydantic
-    models find them, cross-field rules included (train/ds_schema.py holds the deepspeed-free copy). sources maps a
+    models find them, cross-field rules included (engine/ds_schema.py holds the deepspeed-free copy). sources maps a
     top-level key to the fragment that set it; path names the JSON otherwise."""
     import importlib
 

@@ -1,4 +1,4 @@
-"""A step's loss as the mean over every target of its global batch (layer L3), whatever the layout.
+"""A step's loss as the mean over every target of its global batch (layer L2), whatever the layout.
 
 model/stack.py's forward() divides a micro batch's summed cross entropy by its own loss weight (nll_sum /
 weight_sum), and DeepSpeed averages the micro batches' gradients over accumulation steps and data-parallel ranks.
@@ -16,7 +16,7 @@ sync). Under sequence parallelism a chunk's batch already carries its whole sequ
 shard_batch: weight_total x loss_factor is the unsplit micro batch's), so the replicas' sum is over those, and the
 chunk's scaling by loss_factor is kept. Where every micro batch weighs the same, W / (accumulation x dp) is each
 micro batch's own weight, exactly: such runs train bit for bit as before. DeepSpeed's pipeline schedule
-(parallel/pipeline.py) computes its losses itself and keeps each micro batch's own mean.
+(engine/pipeline.py) computes its losses itself and keeps each micro batch's own mean.
 """
 
 from __future__ import annotations

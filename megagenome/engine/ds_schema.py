@@ -2,9 +2,9 @@
 
 zero_optimization (with its offload blocks), bf16 and fp16 are checked against ds_sections.json: every key (name
 or alias), type, nullability and numeric bound as the pydantic models of DeepSpeed 0.19.8 declare them, read lax
-as pydantic reads them ("true" is a boolean, 2.0 an integer; "auto" keeps DeepSpeed's default). train/engine.py
+as pydantic reads them ("true" is a boolean, 2.0 an integer; "auto" keeps DeepSpeed's default). engine/engine.py
 `section_schema` writes the file from the installed DeepSpeed's models; after a DeepSpeed upgrade regenerate it
-with `python -c "from megagenome.train import engine; engine.write_section_schema()"`.
+with `python -c "from megagenome.engine import engine; engine.write_section_schema()"`.
 
 What the copy cannot hold are the models' cross-field validators (e.g. partial optimizer offload only at ZeRO-3,
 compute_grad_norm false only at stages 1-2). So `pretrain --dry_run` and `megagenome plan` check against the copy,

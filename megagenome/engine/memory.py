@@ -5,10 +5,10 @@ and benchmarks.
 
 from __future__ import annotations
 
+from megagenome.engine import ds_config as dsc
+from megagenome.engine import engine as ds
 from megagenome.observe.metrics import zero_model_state_bytes
 from megagenome.observe.record import write_json
-from megagenome.train import ds_config as dsc
-from megagenome.train import engine as ds
 
 # Attributes of DeepSpeed 0.19's optimizer wrappers that hold gradients (besides any tensor's .grad), by class:
 # BF16_Optimizer (ZeRO-1 with bf16 and fp32 gradient accumulation): the full-size fp32 accumulation buffer and

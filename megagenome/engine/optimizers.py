@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 
 from megagenome.config.sections import RootConfig, TrainConfig
+from megagenome.engine import ds_config as dsc
 from megagenome.planner.states import optimizer_state_bytes
-from megagenome.train import ds_config as dsc
 
 NAMES = ("adamw", "lamb", "adafactor", "muon", "adam8bit")
 BNB_HINT = "pip install bitsandbytes"

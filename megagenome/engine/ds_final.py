@@ -1,16 +1,16 @@
 """The exact dict handed to deepspeed.initialize (layer L2, no deepspeed import): the merged and checked DeepSpeed
-JSON (train/ds_config.py) completed with what the run config owns: batch sizes, clipping, the optimizer
-(train/optimizers.py), the schedule (train/schedules.py), universal loading and the NVMe path."""
+JSON (engine/ds_config.py) completed with what the run config owns: batch sizes, clipping, the optimizer
+(engine/optimizers.py), the schedule (engine/schedules.py), universal loading and the NVMe path."""
 
 from __future__ import annotations
 
 import json
 
 from megagenome.config.sections import TrainConfig
+from megagenome.engine import optimizers
+from megagenome.engine.ds_config import scaled_lr
+from megagenome.engine.schedules import scheduler_entry
 from megagenome.parallel.layout import BatchSizes
-from megagenome.train import optimizers
-from megagenome.train.ds_config import scaled_lr
-from megagenome.train.schedules import scheduler_entry
 
 
 def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: bool, on_gpu: bool) -> dict:
@@ -28,7 +28,7 @@ def build_ds_config(ds: dict, batch: BatchSizes, train: TrainConfig, universal: 
         }
     )
     merged.update(optimizers.ds_entries(ds, train, lr, on_gpu))  # "optimizer", or a client optimizer's keys
-    scheduler = scheduler_entry(train, lr, min_lr)  # None: the engine gets a client scheduler (train/schedules.py)
+    scheduler = scheduler_entry(train, lr, min_lr)  # None: the engine gets a client scheduler (engine/schedules.py)
     if scheduler is not None:
         merged["scheduler"] = scheduler
     if universal:

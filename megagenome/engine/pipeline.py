@@ -191,7 +191,7 @@ def as_pipe_batch(batch: dict[str, torch.Tensor]) -> tuple:
 
 def grad_norm(engine) -> float:
     """2-norm of the step's gradients over every stage and tensor rank (each gradient counted once): the StepFn's
-    grad_norm where DeepSpeed records none (train/engine.py reports_grad_norm)."""
+    grad_norm where DeepSpeed records none (engine/engine.py reports_grad_norm)."""
     import torch.distributed as dist
 
     squares = torch.zeros((), dtype=torch.float64, device=engine.device)

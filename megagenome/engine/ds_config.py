@@ -3,13 +3,13 @@
 `--train.ds_config` names one JSON file or an ordered list of fragments. This module merges them deep (a leaf set
 differently by two fragments is an error naming both files), rejects what DeepSpeed would silently ignore or get
 wrong (unknown keys at every level, keys the run config owns, combinations DeepSpeed 0.19.8 refuses late or
-mishandles), and reads what a merged dict says (ZeRO stage, precision, offload). train/ds_final.py builds the exact dict
-handed to deepspeed.initialize from it. It never imports
-deepspeed, so `megagenome plan` and `pretrain --dry_run` merge and check a config without loading the engine;
-train/engine.py is the runtime seam.
+mishandles), and reads what a merged dict says (ZeRO stage, precision, offload). engine/ds_final.py builds the exact
+dict handed to deepspeed.initialize from it. It never imports deepspeed, so `megagenome plan` and `pretrain
+--dry_run` merge and check a config without loading the engine;
+engine/engine.py is the runtime seam.
 
 Sections that DeepSpeed validates with its own pydantic models (zero_optimization with its offload blocks, bf16,
-fp16) are checked against a copy of those models' fields (train/ds_schema.py).
+fp16) are checked against a copy of those models' fields (engine/ds_schema.py).
 
 Ownership (docs/architecture.md, "Config"): the run config owns batch sizes, optimizer, schedule and clipping; the
 DeepSpeed JSON owns engine knobs. A key set in both is an error naming both files.
@@ -21,8 +21,8 @@ import json
 from collections.abc import Callable
 
 from megagenome.config.sections import TrainConfig
-from megagenome.train import ds_schema
-from megagenome.train.ds_schema import unknown_key_problems as _unknown
+from megagenome.engine import ds_schema
+from megagenome.engine.ds_schema import unknown_key_problems as _unknown
 
 # Top-level keys DeepSpeed 0.19 reads. DeepSpeed silently ignores anything else, so a typo such as
 # "zero_optimisation" would train without ZeRO; we reject unknown keys instead.
