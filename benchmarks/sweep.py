@@ -213,7 +213,7 @@ def worker(spec_path: pathlib.Path) -> None:
     from megagenome.config.load import config_from_dict
     from megagenome.engine import engine as ds
     from megagenome.run import pretrain
-    from megagenome.train import checkpoint
+    from megagenome.weights import checkpoint
 
     spec = json.loads(spec_path.read_text())
     engines: list = []

@@ -1,4 +1,4 @@
-"""Tier 2: verified checkpoints (train/checkpoint.py, train/integrity.py).
+"""Tier 2: verified checkpoints (weights/checkpoint.py, weights/integrity.py).
 
 Every COMPLETE marker lists the files of its checkpoint with their sizes and SHA-256; a resume verifies them, names a
 damaged file and falls back, with a warning, to the newest complete checkpoint that verifies (never to anything
@@ -29,7 +29,7 @@ from support.trained import LAYOUTS, STEPS
 from megagenome.config import ModelConfig, TrainConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model.transformer import DNATransformer
-from megagenome.train import checkpoint, integrity
+from megagenome.weights import checkpoint, integrity
 
 OLDER = 3  # the step of the second complete checkpoint made beside a run's final one (step STEPS)
 

@@ -21,7 +21,7 @@ from megagenome.engine.ds_config import check_ds_config
 from megagenome.files.run_files import UNIVERSAL
 from megagenome.parallel.layout import ParallelLayout
 from megagenome.run.assembly import validate
-from megagenome.train import checkpoint
+from megagenome.weights import checkpoint
 
 
 def layout(world_size=2, tensor=1, pipeline=1, sequence=1, zero_stage=1) -> dict:

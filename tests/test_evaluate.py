@@ -1,7 +1,7 @@
 """`megagenome eval` (megagenome/after_training/evaluate.py) on finished real DeepSpeed runs (support/trained.py).
 
 - Consolidation: for a run of every checkpoint layout (ZeRO-0, ZeRO-3, tensor parallel 2, pipeline 2), eval on the
-  run's own held-out windows reproduces the held-out loss the run logged at its last step (train/consolidate.py reads
+  run's own held-out windows reproduces the held-out loss the run logged at its last step (weights/consolidate.py reads
   the weights the engine evaluated with);
 - 2 ranks under the launcher give exactly one process's result (causal, both strands, masked);
 - windows cover every base once (a causal record's first base never), N bases are not targets, soft-masked and

@@ -28,13 +28,14 @@ from support.helpers import cli
 
 from megagenome.after_training import export
 from megagenome.after_training.inference import load_model
-from megagenome.after_training.weights import init_from, load_int8, read_export, shard
+from megagenome.after_training.quantize import load_int8
 from megagenome.config import ConfigError, ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model.transformer import TRANSFORMER, DNATransformer
 from megagenome.observe.metrics import read_metrics
 from megagenome.parallel.tensor_parallel import merge_shards
-from megagenome.train.consolidate import CheckpointError, checkpoint_tag
+from megagenome.weights.consolidate import CheckpointError, checkpoint_tag
+from megagenome.weights.load import init_from, read_export, shard
 
 pytestmark = pytest.mark.slow
 

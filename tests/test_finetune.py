@@ -24,10 +24,8 @@ import pytest
 import torch
 from support.helpers import PYTHON, REPO, env
 
-from megagenome.after_training import task_weights
 from megagenome.after_training.export import export
 from megagenome.after_training.inference import load_model
-from megagenome.after_training.weights import load_task_model, read_export
 from megagenome.config import ConfigError
 from megagenome.config.load import finetune_config_from_dict
 from megagenome.data.labelled import read_genomic_benchmarks
@@ -35,7 +33,9 @@ from megagenome.data.task_batches import collate
 from megagenome.observe.dashboards import read_tensorboard
 from megagenome.observe.metrics import read_metrics
 from megagenome.run import finetune
-from megagenome.train.consolidate import module_shards
+from megagenome.weights import task_weights
+from megagenome.weights.consolidate import module_shards
+from megagenome.weights.load import load_task_model, read_export
 
 pytestmark = pytest.mark.slow
 LOSS_ATOL = 1e-5  # fp32 ZeRO stages and accumulation reorder sums: measured differences are ~1e-7

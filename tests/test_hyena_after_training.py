@@ -37,9 +37,8 @@ from support.scoring_checks import CONTIG, options, phix_records, write_test_vcf
 from megagenome.after_training import export
 from megagenome.after_training.evaluate import evaluate
 from megagenome.after_training.inference import load_model, next_base_log_probs
-from megagenome.after_training.quantize import quantize_int8
+from megagenome.after_training.quantize import load_int8, quantize_int8
 from megagenome.after_training.variant_scoring import run as score_variants
-from megagenome.after_training.weights import build_model, init_from, load_int8, read_export, read_weights, shard
 from megagenome.config import ConfigError, ModelConfig, layer_kinds
 from megagenome.config.load import config_from_dict, load_config
 from megagenome.data.dataset import build_genome_data
@@ -49,6 +48,7 @@ from megagenome.model import family_of
 from megagenome.model.hyena import STRIPED_HYENA
 from megagenome.model.hyena.operators import by_fft
 from megagenome.observe.metrics import read_metrics
+from megagenome.weights.load import build_model, init_from, read_export, read_weights, shard
 
 pytestmark = pytest.mark.slow
 
@@ -349,7 +349,7 @@ def test_init_from_assembles_a_run_from_the_export(runs, exported, tmp_path):
 def test_init_from_tensor_parallel_shards_are_the_checkpoints(runs, exported):
     """A tp=2 rank gets shard(name, dense, rank, 2, family) of each weight: what the tp2 run's own checkpoint holds
     for that rank, the filters split by channel."""
-    from megagenome.train.consolidate import checkpoint_tag
+    from megagenome.weights.consolidate import checkpoint_tag
 
     _, dense = read_export(str(exported("striped_tp2")))
     tag = checkpoint_tag(str(runs.dir("striped_tp2")))

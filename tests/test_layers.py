@@ -26,6 +26,7 @@ LAYERS = {
     "planner": 1,
     "engine": 2,
     "train": 3,
+    "weights": 3,
     "run": 4,
     "after_training": 4,
     "cli": 5,
@@ -43,7 +44,7 @@ L1_ALLOWED = {
     "cluster": {"cluster", "observe"},
 }
 SEAMS = {
-    "deepspeed": {"engine/engine", "engine/universal", "engine/memory", "engine/pipeline", "train/consolidate"},
+    "deepspeed": {"engine/engine", "engine/universal", "engine/memory", "engine/pipeline", "weights/consolidate"},
     "flash_attn": {"model/attention"},
     "flash_attn_interface": {"model/attention"},
     "pyfaidx": {"data/fasta"},
@@ -54,9 +55,9 @@ SEAMS = {
     "jsonargparse": {"config/load", "cli"},
     "safetensors": {
         "after_training/export",
-        "after_training/weights",
+        "weights/load",
         "after_training/embedding",
-        "after_training/task_weights",
+        "weights/task_weights",
         "after_training/importing",  # reads published checkpoints (megagenome import)
     },
     "peft": {"model/lora"},  # LoRA adapters of `finetune`

@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 
 from megagenome.after_training import export
 from megagenome.after_training.inference import load_model
-from megagenome.after_training.weights import EXPORT_MANIFEST, build_model, read_export
 from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import family_of
+from megagenome.weights.load import EXPORT_MANIFEST, build_model, read_export
 
 PARITY_ATOL = 1e-4  # fp32 logits, Hugging Face against megagenome
 CADUCEUS = ModelConfig(family="caduceus", objective="mlm", d_model=16, n_layer=2, state_size=4, max_seq_len=64)

@@ -1,4 +1,4 @@
-"""Reading a run directory someone hands you (engine/safe_load.py, train/consolidate.py): a crafted pickle in a
+"""Reading a run directory someone hands you (engine/safe_load.py, weights/consolidate.py): a crafted pickle in a
 checkpoint is refused and never run, in every layout's reader; a damaged newest checkpoint is skipped for the one
 before it with a warning naming its file; a broken config.yaml is one message, not a traceback.
 
@@ -18,7 +18,7 @@ import torch
 from support.helpers import cli_here
 
 from megagenome.engine import safe_load
-from megagenome.train import checkpoint, integrity
+from megagenome.weights import checkpoint, integrity
 
 
 class Payload:

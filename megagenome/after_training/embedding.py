@@ -67,7 +67,7 @@ from megagenome.data.variants import VariantError
 from megagenome.data.vcf_scores import Site, check_refs, read_sites
 from megagenome.files.outputs import OutputError, check_outputs, staged
 from megagenome.model.stack import FINAL_NORM, layers_problem
-from megagenome.train.consolidate import CheckpointError
+from megagenome.weights.consolidate import CheckpointError
 
 PROG = "megagenome embed"
 FORMAT = "megagenome-embeddings"

@@ -38,7 +38,7 @@ from megagenome.after_training.inference import (
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import N_ID, reverse_complement
 from megagenome.files.outputs import OutputError, check_outputs, describe_os_error, write_text
-from megagenome.train.consolidate import CheckpointError
+from megagenome.weights.consolidate import CheckpointError
 
 PROG = "megagenome eval"
 

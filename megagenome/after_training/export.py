@@ -4,7 +4,7 @@
     megagenome export RUN --output DIR --format gpn      (a published layout: export_published, below)
 
 RUN is a run directory (its newest complete checkpoint, or --step; any layout: ZeRO 0-3, tensor, pipeline or
-sequence parallel, universal, consolidated by train/consolidate.py) or another export directory. DIR holds:
+sequence parallel, universal, consolidated by weights/consolidate.py) or another export directory. DIR holds:
 
     model.safetensors       the dense weights in --dtype: under its family's Hugging Face names where the family
                             has a Hugging Face form for the config (a causal transformer: Llama's,
@@ -29,7 +29,7 @@ refused (nothing is overwritten). With --format NAME (model/published.py) DIR ho
 loads: their config.json and model.safetensors under their names. Exporting needs safetensors only (plus torchao
 for int8), never transformers.
 
-The way back is after_training/weights.py: read_export (what inference.load_model reads an export directory with) and
+The way back is weights/load.py: read_export (what inference.load_model reads an export directory with) and
 init_from, which `--model.init_from DIR` calls (run/assembly.py) to start a run from an export's weights, this rank's
 tensor-parallel shard of them, before DeepSpeed wraps the model."""
 
@@ -45,8 +45,15 @@ import sys
 import torch
 import yaml
 
-from megagenome.after_training import hf_files, model_card, quantize, task_weights
-from megagenome.after_training.weights import (
+from megagenome.after_training import hf_files, model_card, quantize
+from megagenome.config import ModelConfig
+from megagenome.data.tokenizer import VOCAB, VOCAB_SIZE
+from megagenome.files.outputs import OutputError, check_outputs, describe_os_error, temporary_beside
+from megagenome.files.run_files import METRICS
+from megagenome.model import family_of
+from megagenome.observe.metrics import read_metrics
+from megagenome.weights import checkpoint, task_weights
+from megagenome.weights.load import (
     DTYPES,
     EXPORT_MANIFEST,
     FORMAT,
@@ -55,13 +62,6 @@ from megagenome.after_training.weights import (
     build_model,
     read_weights,
 )
-from megagenome.config import ModelConfig
-from megagenome.data.tokenizer import VOCAB, VOCAB_SIZE
-from megagenome.files.outputs import OutputError, check_outputs, describe_os_error, temporary_beside
-from megagenome.files.run_files import METRICS
-from megagenome.model import family_of
-from megagenome.observe.metrics import read_metrics
-from megagenome.train import checkpoint
 
 PROG = "megagenome export"
 

@@ -39,7 +39,7 @@ from megagenome.after_training.inference import World, load_model, start_world
 from megagenome.data.fasta import FastaError, Genome
 from megagenome.data.tokenizer import A_ID, SEP_ID, TokenizerError, encode
 from megagenome.files.outputs import OutputError, check_outputs, write_texts
-from megagenome.train.consolidate import CheckpointError
+from megagenome.weights.consolidate import CheckpointError
 
 PROG = "megagenome generate"
 BASES = "ACGT"  # what is drawn: A_ID .. A_ID + 3

@@ -28,11 +28,11 @@ import sys
 import torch
 
 from megagenome.after_training.export import check_output, staged_export
-from megagenome.after_training.weights import DTYPES
 from megagenome.config.checks import model_problems
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import PUBLISHED, family_of
 from megagenome.model.published import ImportRefused
+from megagenome.weights.load import DTYPES
 
 PROG = "megagenome import"
 MODEL_YAML = "model.yaml"

@@ -3,7 +3,7 @@ ranks of a data-parallel inference job, what the after-training commands read of
 window), and the per-base log-probabilities evaluation and variant scoring use.
 
 Inference runs a dense model on every rank: a checkpoint of any layout (ZeRO 0-3, tensor, pipeline or sequence
-parallel, universal) is consolidated on load (train/consolidate.py), so `megagenome eval`, `score-variants` and
+parallel, universal) is consolidated on load (weights/consolidate.py), so `megagenome eval`, `score-variants` and
 `embed` run the same in one process or under the `deepspeed` launcher, where each rank takes every world_size-th
 batch and the results are gathered and combined in batch order. Batches are formed before they are dealt out, so a
 batch holds the same windows whatever the world size and the combined result equals one process's.
@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megagenome.after_training.weights import DTYPES, build_model, read_weights
 from megagenome.config import ModelConfig, RootConfig, parse_region
 from megagenome.data.fasta import Genome
 from megagenome.data.tokenizer import MASK_ID, TokenizerError, encode
+from megagenome.weights.load import DTYPES, build_model, read_weights
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 
 from megagenome.after_training import hf_files
-from megagenome.after_training.weights import WEIGHTS
 from megagenome.config import ModelConfig
 from megagenome.model import family_of
+from megagenome.weights.load import WEIGHTS
 
 
 def model_card(manifest: dict) -> str:
@@ -89,7 +89,7 @@ def _task_card(t: dict) -> list[str]:
     lines += [
         "",
         "```python",
-        "from megagenome.after_training.weights import load_task_model",
+        "from megagenome.weights.load import load_task_model",
         'model = load_task_model("DIR")  # model(input_ids, lengths, labels) -> (loss, probabilities / values)',
         "```",
         "",
@@ -147,7 +147,7 @@ def _int8_card(q: dict) -> list[str]:
     return [
         "## INT8",
         "",
-        f"`{q['file']}`: {q['scheme']}. Load it with `megagenome.after_training.weights.load_int8(DIR)`.",
+        f"`{q['file']}`: {q['scheme']}. Load it with `megagenome.after_training.quantize.load_int8(DIR)`.",
         "",
         "| | float32 | int8 |",
         "|---|---|---|",

@@ -29,6 +29,8 @@ from megagenome.data.fasta import Genome
 from megagenome.data.intervals import n_free_intervals, restrict
 from megagenome.data.tokenizer import VOCAB_SIZE, encode
 from megagenome.model import family_of
+from megagenome.weights.consolidate import CheckpointError
+from megagenome.weights.load import read_export, read_manifest
 
 INT8_WEIGHTS = "model_int8.pt"
 SCHEME = (
@@ -78,7 +80,16 @@ def save_int8(model: torch.nn.Module, path: str) -> int:
     return os.path.getsize(path)
 
 
-def load_int8(model_cfg: ModelConfig, path: str) -> torch.nn.Module:
+def load_int8(path: str) -> torch.nn.Module:
+    """The int8 model of an export directory written with --quantize int8, in eval mode on CPU."""
+    manifest = read_manifest(path)
+    if "int8" not in manifest:
+        raise CheckpointError(f"{path}: exported without --quantize int8 (no {INT8_WEIGHTS})")
+    model_cfg, _ = read_export(path)
+    return int8_model(model_cfg, os.path.join(path, manifest["int8"]["file"]))
+
+
+def int8_model(model_cfg: ModelConfig, path: str) -> torch.nn.Module:
     """The int8 model saved by save_int8, in eval mode on CPU: built, quantized the same way, then loaded."""
     with torch.random.fork_rng(devices=[]):
         model = family_of(model_cfg).build(model_cfg, VOCAB_SIZE)

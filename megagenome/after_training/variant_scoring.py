@@ -63,7 +63,7 @@ from megagenome.data.tokenizer import MASK_ID, TokenizerError, encode, reverse_c
 from megagenome.data.variants import VariantError
 from megagenome.data.vcf_scores import Site, check_refs, labelled_alts, read_sites, write_scored, write_text, write_tsv
 from megagenome.files.outputs import OutputError, check_outputs, staged
-from megagenome.train.consolidate import CheckpointError
+from megagenome.weights.consolidate import CheckpointError
 
 PROG = "megagenome score-variants"
 OUTPUT_SUFFIXES = (".vcf", ".vcf.gz", ".vcf.bgz", ".bcf")

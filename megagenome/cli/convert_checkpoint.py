@@ -1,4 +1,4 @@
-"""`megagenome convert-checkpoint` (layer L5): a checkpoint -> DeepSpeed's universal format (train/checkpoint.py does
+"""`megagenome convert-checkpoint` (layer L5): a checkpoint -> DeepSpeed's universal format (weights/checkpoint.py does
 it).
 """
 
@@ -43,7 +43,7 @@ def parser() -> ArgumentParser:
 
 def main(parsed: Parsed) -> int:
     ns = parsed.ns
-    from megagenome.train import checkpoint
+    from megagenome.weights import checkpoint
 
     if ns.workers < 1:
         print(f"megagenome convert-checkpoint: error: --workers={ns.workers}: must be positive", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Universal checkpoints (layer L2, a DeepSpeed seam): what DeepSpeed's converter needs to merge tensor-parallel
 shards, running its ds_to_universal, and repairing two DeepSpeed 0.19.8 ZeRO-3 universal-load bugs.
 
-Split out of engine/engine.py; used by train/checkpoint.py (convert_to_universal, load) and engine/engine.py
+Split out of engine/engine.py; used by weights/checkpoint.py (convert_to_universal, load) and engine/engine.py
 (initialize records universal_checkpoint_info on the model).
 """
 

@@ -15,8 +15,8 @@ called run_dir.py because `run_dir` is every caller's name for the directory's p
       best.json               its best step and validation value           run/finetune.py
       predictions_<split>.tsv its validation and test predictions          run/finetune.py
       hang_rank<N>.txt        a hung rank's stacks                         engine/watchdog.py
-      checkpoints/            global_step<N>/ with a complete marker       train/checkpoint.py
-      checkpoints_universal/  convert-checkpoint's default output          train/checkpoint.py
+      checkpoints/            global_step<N>/ with a complete marker       weights/checkpoint.py
+      checkpoints_universal/  convert-checkpoint's default output          weights/checkpoint.py
       logs/                   rank<N>.log, launcher.log                    observe/console.py
       tensorboard/, wandb/run_id                                           observe/dashboards.py
       report/                 `megagenome report`'s default output         observe/report.py

@@ -10,7 +10,7 @@ Nothing else divides the world size or computes the batch identity
     global batch = micro batch x gradient accumulation x data-parallel size
 
 (`batch`). The layout also names what a checkpoint records about the ranks that wrote it (`record`), so a resume
-under another layout is refused before DeepSpeed is asked to load (train/checkpoint.py).
+under another layout is refused before DeepSpeed is asked to load (weights/checkpoint.py).
 
 ParallelState (parallel/state.py) turns a layout into process groups on a running world.
 """
@@ -88,7 +88,7 @@ class ParallelLayout:
         ]
 
     def record(self) -> dict:
-        """What a checkpoint records about the ranks that wrote it (train/checkpoint.py LAYOUT_KEYS)."""
+        """What a checkpoint records about the ranks that wrote it (weights/checkpoint.py LAYOUT_KEYS)."""
         return {
             "world_size": self.world_size,
             "tensor": self.tensor,

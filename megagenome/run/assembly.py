@@ -41,8 +41,8 @@ from megagenome.parallel.sequence_conv import ConvExchange
 from megagenome.parallel.state import ParallelState
 from megagenome.parallel.tensor_parallel import TensorParallelLayers
 from megagenome.run import resume_checks
-from megagenome.train import checkpoint
 from megagenome.train.loop import evaluate, forward_sums
+from megagenome.weights import checkpoint
 
 
 @dataclass
@@ -254,7 +254,7 @@ def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[torch.nn.Modul
     layers = TensorParallelLayers(state, seed=cfg.train.seed) if state.tp > 1 else None
     model = family_of(cfg.model).build(cfg.model, VOCAB_SIZE, layers)
     if cfg.model.init_from:  # an export's weights (this rank's shard); a resumed run's checkpoint then replaces them
-        from megagenome.after_training.weights import init_from
+        from megagenome.weights.load import init_from
 
         init_from(model, cfg.model, state.get_tensor_model_parallel_rank(), state.tp)
     checkpoint_fn = ds.activation_checkpoint_function(ds_conf, mpu=state)
@@ -269,7 +269,7 @@ def _model(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> tuple[torch.nn.Modul
 
 def _teacher(cfg: RootConfig, ranks: Ranks, ds_conf: dict) -> Teacher:
     """The frozen teacher of --train.distill_from, whole on this rank's device in the run's precision."""
-    from megagenome.after_training.weights import DTYPES, build_model, read_weights
+    from megagenome.weights.load import DTYPES, build_model, read_weights
 
     flag = f"--train.distill_from={cfg.train.distill_from}"
     try:

@@ -3,7 +3,7 @@
 Stages, each failure before the process group reported with every problem at once (ConfigError, exit 2):
 
     validate     the config (config/finetune.py), the DeepSpeed JSON (the same checks as pretraining: unknown keys,
-                 keys the run config owns), the pretrained weights (after_training/weights.py read_weights: a run
+                 keys the run config owns), the pretrained weights (weights/load.py read_weights: a run
                  directory in any checkpoint layout, or an export) and the labelled data (task_data.py)
     build        every rank: the backbone from the pretrained weights, LoRA adapters (model/lora.py, peft) or a
                  frozen backbone if asked, the head (model/heads.py), seeded alike on every rank; DeepSpeed around
@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megagenome.after_training.weights import read_weights
 from megagenome.config import ConfigError, TrainConfig
 from megagenome.config.finetune import (
     FinetuneConfig,
@@ -62,9 +61,10 @@ from megagenome.parallel.layout import BatchSizes, ParallelLayout
 from megagenome.parallel.state import ParallelState
 from megagenome.run import task_baseline, task_data, task_eval, task_probe
 from megagenome.run.task_data import TaskData
-from megagenome.train import checkpoint
-from megagenome.train.consolidate import CheckpointError
 from megagenome.train.task_loop import EarlyStopping, TaskPlan, fit_task
+from megagenome.weights import checkpoint
+from megagenome.weights.consolidate import CheckpointError
+from megagenome.weights.load import read_weights
 
 TASK_FORMAT = "megagenome-finetune"
 
@@ -234,7 +234,7 @@ def _prune(root: str, keep_last: int, best: int | None) -> None:
 def build(p: Prepared, ds_conf: dict) -> TaskModel:
     """The task model of `p` on CPU, the same on every rank: the pretrained backbone (or, with --model.init random, its
     architecture freshly initialised), its head, LoRA adapters or a frozen backbone as asked."""
-    from megagenome.after_training.weights import build_model
+    from megagenome.weights.load import build_model
 
     cfg, family = p.cfg, family_of(p.model_cfg)
     torch.manual_seed(cfg.train.seed)

@@ -43,10 +43,11 @@ from megagenome.parallel.sequence import shard_batch
 from megagenome.run import assembly, host_memory, resume_checks, summary
 from megagenome.run.assembly import Run, Validated
 from megagenome.run.lock import RunLock, RunLocked
-from megagenome.train import checkpoint, loop
+from megagenome.train import loop
 from megagenome.train.divergence import Guard, guard_optimizer
 from megagenome.train.loop import LoopPlan, StopRequest, TokenCounter, TrainingStopped, fit
 from megagenome.train.prefetch import Prefetcher
+from megagenome.weights import checkpoint
 
 
 def dry_run(cfg: RootConfig, config_files: list[str], args: list[str]) -> dict:
@@ -169,7 +170,7 @@ def _lock_run_dir(cfg: RootConfig, rank: int):
 
 
 def _agree_on_resume(validated: Validated, original: RootConfig, rank: int) -> Validated:
-    """Every rank resumes from the same checkpoint (train/checkpoint.py agree_on_resume: ranks that verified
+    """Every rank resumes from the same checkpoint (weights/checkpoint.py agree_on_resume: ranks that verified
     different ones take the oldest, and then every rank checks that one again, so that all agree on converting it
     and on the batch); a data-parallel resize converts it to the universal format first (rank 0, into
     <run dir>/checkpoints_universal; a conversion left by an earlier attempt is reused). Rank 0 prints the
@@ -328,7 +329,7 @@ def _fit(
 
 
 def _save(run: Run, step: int, offset: int, spike_window: list[float], tokens: int) -> None:
-    """A checkpoint of `step` (train/checkpoint.py save: verified, on every rank) with the client state a resume
+    """A checkpoint of `step` (weights/checkpoint.py save: verified, on every rank) with the client state a resume
     needs: the step and samples consumed, the layout and micro batch, the config keys and data fingerprint it is
     checked against (resume_checks.py), the data offset, the spike detector's window (train/divergence.py) and the
     cumulative tokens (LoopPlan.tokens_at: a resume at another context counts on from them)."""

@@ -1,7 +1,7 @@
 """What a resume must agree with, checked before any process group starts (layer L4; assembly.validate calls it).
 
     checkpoint     --checkpoint.resume resolved to a complete checkpoint whose files verify against the list in
-                   its COMPLETE marker (train/checkpoint.py); with `auto`, a bad newest checkpoint is named and the
+                   its COMPLETE marker (weights/checkpoint.py); with `auto`, a bad newest checkpoint is named and the
                    previous complete one taken, with a warning
     config         every model and data key of the checkpoint's recorded config (config.resume_record) equal to this
                    run's; the differing keys are listed with both values
@@ -9,7 +9,7 @@
                    checkpoint without it was written by adamw): another optimizer cannot load its states
     data           the SHA-256 of the training data (data/fingerprint.py: the FASTA, or the prepared manifest and
                    each shard's recorded digest) equal to the checkpoint's, unless --checkpoint.allow_data_change
-    layout         the parallel layout and global batch the checkpoint can resume under (train/checkpoint.py); a
+    layout         the parallel layout and global batch the checkpoint can resume under (weights/checkpoint.py); a
                    ZeRO 1-3 checkpoint of this run at another data-parallel size is converted to the universal
                    format when --checkpoint.convert_on_resize (Resume.convert), with the accumulation adjusted to
                    keep its global batch
@@ -26,7 +26,7 @@ from megagenome.config import RootConfig, config_differences, config_hash
 from megagenome.data import fingerprint as data_fingerprint
 from megagenome.files.run_files import UNIVERSAL
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.train import checkpoint
+from megagenome.weights import checkpoint
 
 
 @dataclass

@@ -24,7 +24,7 @@ from megagenome.data.markov import markov_bits_per_base
 from megagenome.files.run_files import SUMMARY
 from megagenome.observe.metrics import read_metrics
 from megagenome.observe.record import write_json
-from megagenome.train import checkpoint
+from megagenome.weights import checkpoint
 
 
 def summarise(

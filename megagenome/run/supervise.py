@@ -306,7 +306,7 @@ def with_resume(command: list[str], settings: Settings) -> tuple[list[str], str 
     must not refuse over a partial one); an explicit --checkpoint.resume is kept while none exists yet."""
     newest = None
     if settings.run_dir is not None:
-        from megagenome.train.checkpoint import latest_complete
+        from megagenome.weights.checkpoint import latest_complete
 
         newest = latest_complete(os.path.join(settings.run_dir, CHECKPOINTS))
     resume = ["--checkpoint.resume", "auto"]

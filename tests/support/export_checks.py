@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from megagenome.after_training.export import export
-from megagenome.after_training.weights import read_export, shard
 from megagenome.config.load import config_from_dict
 from megagenome.model.transformer import TRANSFORMER
 from megagenome.run import assembly
+from megagenome.weights.load import read_export, shard
 from support.helpers import tiny_config
 
 

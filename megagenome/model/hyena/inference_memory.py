@@ -21,7 +21,7 @@ model's dtype, F the same in float32 and G one (B, T, d_ff):
   in the model's dtype), the embedding output and the layer kept for embed (E each).
 
 Loading comes first and can be the peak of a short window: the file's tensors, the model built in float32 (its
-rotary tables in float32), the float32 copies loaded into it (after_training/weights.py build_model).
+rotary tables in float32), the float32 copies loaded into it (weights/load.py build_model).
 glibc may keep freed memory (a measurement sets MALLOC_MMAP_THRESHOLD_ low so that it does not); the CPU's FFT and
 GEMM libraries' own workspaces are not counted.
 """

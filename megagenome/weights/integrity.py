@@ -5,7 +5,7 @@ checkpoints, and the ranks' agreement on the checkpoint to resume from.
 
 A COMPLETE marker is JSON, {"step": N, "files": {relative path: {"size": bytes, "sha256": hex}}}, listing every
 file of the tag directory except the marker itself. Markers written by earlier versions hold just "N\\n": the
-checkpoint is complete, but there is no manifest to verify it against. train/checkpoint.py writes and reads
+checkpoint is complete, but there is no manifest to verify it against. weights/checkpoint.py writes and reads
 markers through this module, which imports nothing of megagenome.
 """
 

@@ -35,7 +35,7 @@ from megagenome.engine.safe_load import CheckpointError
 from megagenome.files.run_files import CHECKPOINTS, CONFIG, DS_CONFIG
 from megagenome.model import family_of
 from megagenome.parallel.tensor_parallel import merge_shards
-from megagenome.train import checkpoint, integrity
+from megagenome.weights import checkpoint, integrity
 
 __all__ = ["CheckpointError", "checkpoint_tag", "check_shapes", "dense_state_dict", "module_shards", "run_weights"]
 

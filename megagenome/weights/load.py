@@ -1,5 +1,5 @@
-"""A trained model's weights (layer L4): read whole from a run directory (any checkpoint layout, consolidated by
-train/consolidate.py) or a `megagenome export` directory, built into a dense model, and loaded into a new run's
+"""A trained model's weights (layer L3): read whole from a run directory (any checkpoint layout, consolidated by
+weights/consolidate.py) or a `megagenome export` directory, built into a dense model, and loaded into a new run's
 model (`--model.init_from`, this rank's tensor-parallel shard); a fine-tuning run's task model (load_task_model).
 
 An export directory is marked by its manifest, megagenome.json (EXPORT_MANIFEST); export.py writes it and this
@@ -15,12 +15,12 @@ from dataclasses import replace
 
 import torch
 
-from megagenome.after_training import quantize, task_weights
 from megagenome.config import ConfigError, ModelConfig, RootConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model import family_of
 from megagenome.model.heads import TaskModel
-from megagenome.train.consolidate import CheckpointError, check_shapes, run_weights
+from megagenome.weights import task_weights
+from megagenome.weights.consolidate import CheckpointError, check_shapes, run_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EXPORT_MANIFEST = "megagenome.json"  # what marks a `megagenome export` directory
@@ -111,15 +111,6 @@ def read_export(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise CheckpointError(f"{path}: {e.args[0]}") from e
     check_shapes(state, model_cfg, path)
     return model_cfg, state
-
-
-def load_int8(path: str) -> torch.nn.Module:
-    """The int8 model of an export written with --quantize int8, in eval mode on CPU."""
-    manifest = read_manifest(path)
-    if "int8" not in manifest:
-        raise CheckpointError(f"{path}: exported without --quantize int8 (no {quantize.INT8_WEIGHTS})")
-    model_cfg, _ = read_export(path)
-    return quantize.load_int8(model_cfg, os.path.join(path, manifest["int8"]["file"]))
 
 
 # ----- --model.init_from ------------------------------------------------------------------------------------------

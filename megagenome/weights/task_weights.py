@@ -1,4 +1,4 @@
-"""A fine-tuning run's weights (layer L4): its task model read back from a checkpoint, LoRA merged, and the head
+"""A fine-tuning run's weights (layer L3): its task model read back from a checkpoint, LoRA merged, and the head
 that an export carries beside the backbone.
 
 A `megagenome finetune` run directory is marked by task.json (files/run_files.py TASK: the task, classes, layer,
@@ -26,8 +26,8 @@ from megagenome.files.run_files import BEST, DS_CONFIG, SUMMARY, TASK
 from megagenome.model import family_of
 from megagenome.model import lora as lora_adapters
 from megagenome.model.heads import TaskModel
-from megagenome.train import checkpoint
-from megagenome.train.consolidate import CheckpointError, checkpoint_tag, module_shards
+from megagenome.weights import checkpoint
+from megagenome.weights.consolidate import CheckpointError, checkpoint_tag, module_shards
 
 TASK_HEAD = "task_head.safetensors"
 HEAD_FIELDS = ("task", "classes", "layer", "pooling", "target_mean", "target_std", "metric")

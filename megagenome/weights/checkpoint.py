@@ -3,7 +3,7 @@ conversion to DeepSpeed's universal format.
 
 DeepSpeed writes the model, optimizer and scheduler state of a tag; this module adds what makes a
 checkpoint trustworthy for resuming: a COMPLETE marker written only after every rank has finished
-writing, listing every file with its size and SHA-256 (train/integrity.py), per-rank RNG states, a
+writing, listing every file with its size and SHA-256 (weights/integrity.py), per-rank RNG states, a
 client_state.json naming the parallel layout that wrote it, and deletion of old checkpoints only once a newer
 one is complete. A run killed mid-save therefore leaves the previous checkpoint as the newest complete one; a
 save that fails (a full disk) removes its partial directory and raises SaveError; a resume verifies the
@@ -27,9 +27,9 @@ import torch
 from megagenome.engine import safe_load, universal  # universal: a DeepSpeed seam, deepspeed imported inside
 from megagenome.files.run_files import CHECKPOINTS, UNIVERSAL
 from megagenome.parallel.layout import ParallelLayout
-from megagenome.train import integrity
-from megagenome.train.integrity import MARKER, SaveError, verify
-from megagenome.train.integrity import agree_on_resume as agree_on_resume  # re-exported: part of this interface
+from megagenome.weights import integrity
+from megagenome.weights.integrity import MARKER, SaveError, verify
+from megagenome.weights.integrity import agree_on_resume as agree_on_resume  # re-exported: part of this interface
 
 INFO = "client_state.json"  # step, samples_consumed, config_hash, train_optimizer, format and the writing layout
 _TAG = re.compile(r"^step_(\d+)$")
