@@ -38,7 +38,6 @@ whose run directory under --work holds a summary.json is read, not run again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -47,6 +46,8 @@ import sys
 import time
 
 import harness
+
+from megagenome.files.digest import sha256_file
 
 GENOMES = {
     "ecoli": "examples/data/ecoli_K12_MG1655_NC_000913.2.fa.bgz",
@@ -94,7 +95,7 @@ def model_identity(model: str) -> dict:
         with open(summary, encoding="utf-8") as fh:
             s = json.load(fh)
         return {"steps": s.get("steps"), "heldout_bits_per_base": s.get("heldout_bits_per_base")}
-    return {"export": _sha256(os.path.join(model, "model.safetensors"))}
+    return {"export": sha256_file(os.path.join(model, "model.safetensors"))}
 
 
 def kept(previous: dict | None, model: str, identity: dict) -> dict:
@@ -133,7 +134,7 @@ def pretraining_overlap(model: str, task_dir: str) -> dict | None:
     fasta = os.path.join(harness.REPO, data.get("fasta") or "")
     if not os.path.isfile(fasta):
         return None
-    digest = _sha256(fasta)  # the task may have been built from another checkout's copy of the genome
+    digest = sha256_file(fasta)  # the task may have been built from another checkout's copy of the genome
     species = [s for s, g in manifest["genomes"].items() if g["sha256"] == digest]
     if not species:
         return None
@@ -142,14 +143,6 @@ def pretraining_overlap(model: str, task_dir: str) -> dict | None:
     inside = sum(any(w["contig"] == r.contig and r.start < w["start"] and w["end"] <= r.end for r in held_out)
                  for w in tests)  # fmt: skip
     return {"species": species[0], "test_windows": len(tests), "in_held_out": inside}
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def from_predictions(run_dir: str, resamples: int = BOOTSTRAP) -> dict:
@@ -221,9 +214,10 @@ def markdown(record: dict) -> str:
                   f"class, test windows from the last {fraction:.0%} of each genome", ""]  # fmt: skip
         overlap = record.get("tasks", {}).get(task, {}).get("pretraining_overlap")
         if overlap:
+            rest = overlap["test_windows"] - overlap["in_held_out"]
+            seen = f"; the other {rest} were in its pretraining data, unlabelled" if rest else ": it saw none of them"
             lines += [f"Test windows of {overlap['species']} (the model's pretraining genome) inside its held-out "
-                      f"range: {overlap['in_held_out']} of {overlap['test_windows']}; the rest were in its "
-                      "pretraining data, unlabelled.", ""]  # fmt: skip
+                      f"range: {overlap['in_held_out']} of {overlap['test_windows']}{seen}.", ""]  # fmt: skip
         rows = []
         for arm, r in arms.items():
             if "failed" in r:
@@ -323,7 +317,7 @@ def main(argv=None) -> int:
     results = kept(previous, model, identity)
     tasks = (previous or {}).get("tasks", {}) if results else {}
     record = {"meta": meta, "model": model, "model_identity": identity, "tasks": tasks, "results": results}
-    deadline = time.monotonic() + 60 * args.budget_minutes
+    deadline, ran = time.monotonic() + 60 * args.budget_minutes, False
     for task in args.tasks:
         overlap = pretraining_overlap(model, build_task(task, args.work))
         record["tasks"].setdefault(task, {})["pretraining_overlap"] = overlap
@@ -337,7 +331,10 @@ def main(argv=None) -> int:
                 print(f"finetune_recipes: budget spent; {task}/{arm} and later arms next time", flush=True)
                 break
             record["results"].setdefault(task, {})[arm] = run_arm(model, task, arm, args.work)
+            ran = True
             harness.write_results(out.parent, out.name, record, markdown(record))
+    if not ran and previous and results:  # nothing measured: the header keeps the command that measured
+        record["meta"] = previous["meta"]
     harness.write_results(out.parent, out.name, record, markdown(record))
     print(out.with_suffix(".md").read_text())
     return 0

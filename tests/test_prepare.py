@@ -34,6 +34,7 @@ from megagenome.config import DataConfig, Region
 from megagenome.data import prepared
 from megagenome.data.dataset import build_prepared_data
 from megagenome.data.tokenizer import SEP_ID, decode
+from megagenome.files.digest import sha256_file
 
 YEAST = "scerevisiae_S288C_ASM205763v1.fa.bgz"
 YEAST_VAL = ["chrI:100001-130000"]
@@ -399,7 +400,7 @@ def test_a_shard_altered_after_prepare_is_refused(phix_prepared):
     shard = phix_prepared / "shards" / "phix.bin"
     index = json.loads((phix_prepared / "index.json").read_text())
     assert index["units"][0]["bytes"] == shard.stat().st_size == 5386  # prepare records size and digest
-    assert index["units"][0]["sha256"] == prepared.sha256_file(str(shard))
+    assert index["units"][0]["sha256"] == sha256_file(str(shard))
     data = bytearray(shard.read_bytes())
     data[1000] ^= 0x80  # one soft-mask flag: same size, same tokens
     shard.write_bytes(bytes(data))

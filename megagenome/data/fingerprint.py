@@ -19,6 +19,7 @@ import os
 
 from megagenome.config import DataConfig
 from megagenome.data import prepared
+from megagenome.files.digest import sha256_file
 
 PREFIX = 12  # hex digits of a SHA-256 shown in a difference
 
@@ -31,7 +32,7 @@ def data_fingerprint(data_cfg: DataConfig) -> dict:
         return _prepared(data_cfg.prepared)
     if data_cfg.fasta:
         path = os.path.abspath(data_cfg.fasta)
-        return {"kind": "fasta", "path": path, "size": os.path.getsize(path), "sha256": prepared.sha256_file(path)}
+        return {"kind": "fasta", "path": path, "size": os.path.getsize(path), "sha256": sha256_file(path)}
     raise ValueError("no training data to fingerprint: set --data.fasta or --data.prepared")
 
 
@@ -46,8 +47,8 @@ def _prepared(directory: str) -> dict:
     return {
         "kind": "prepared",
         "path": path,
-        "manifest_sha256": prepared.sha256_file(manifest) if os.path.exists(manifest) else None,
-        "index_sha256": prepared.sha256_file(os.path.join(path, prepared.INDEX)),
+        "manifest_sha256": sha256_file(manifest) if os.path.exists(manifest) else None,
+        "index_sha256": sha256_file(os.path.join(path, prepared.INDEX)),
         "shards": shards,
     }
 

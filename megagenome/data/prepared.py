@@ -23,7 +23,6 @@ end with one SEP token between neighbours, which is what the sampler tiles into 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ import numpy as np
 
 from megagenome.config import Region
 from megagenome.data.tokenizer import SEP_ID
+from megagenome.files.digest import sha256_file
 
 INDEX = "index.json"
 MANIFEST = "manifest.json"
@@ -42,7 +42,6 @@ INDEX_VERSION = 1
 SOFTMASK_BIT = np.uint8(0x80)
 TOKEN_BITS = np.uint8(0x7F)
 SPLITS = ("train", "val", "test")
-CHUNK = 8 << 20  # bytes read at a time when hashing
 CHECK_REPORT_S = 5.0  # a shard check slower than this is reported on stderr
 
 
@@ -66,15 +65,6 @@ def qualified(unit: str, contig: str) -> str:
 
 def packed_name(unit: str, split: str) -> str:
     return qualified(unit, f"<packed-{split}>")
-
-
-def sha256_file(path: str) -> str:
-    """Hex SHA-256 of a file's bytes, read in 8 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_index(directory: str, verify: bool = True) -> dict:

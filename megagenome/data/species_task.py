@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import hashlib
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import zlib
 import numpy as np
 
 from megagenome.data.fasta import FastaError, Genome
+from megagenome.files.digest import sha256_file
 
 LAYOUTS = ("folders", "fasta", "csv")
 
@@ -79,7 +79,7 @@ def build_species_task(
         path = os.fspath(genomes[species])
         contigs = _genome_contigs(path)
         boundaries = {c: len(b) - math.floor(len(b) * test_fraction) for c, b in contigs.items()}
-        info[species] = {"path": os.path.abspath(path), "sha256": _sha256(path), "contigs": []}
+        info[species] = {"path": os.path.abspath(path), "sha256": sha256_file(path), "contigs": []}
         for c, bases in contigs.items():
             contig = {"name": c, "length": len(bases), "test_start": boundaries[c] + 1, "used": len(bases) >= window}
             info[species]["contigs"].append(contig)
@@ -219,14 +219,6 @@ def _write_layout(out: str, layout: str, windows: list[dict], sequences: list[st
             else:
                 writer = csv.writer(fh, lineterminator="\n")
                 writer.writerows([["seq", "label"], *lines])
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _species_readme(manifest: dict) -> str:

@@ -36,6 +36,7 @@ import uuid
 import megagenome
 from megagenome.config import ConfigError, RootConfig, to_dict
 from megagenome.engine import engine as ds
+from megagenome.files.digest import sha256_file
 from megagenome.files.run_files import PREFLIGHT
 from megagenome.observe.record import git_commit
 from megagenome.run import assembly
@@ -56,14 +57,6 @@ def parse_sizes(text: str) -> list[int]:
             raise ValueError(f"--sizes: {part.strip()!r} is not a size such as 4KiB, 1MiB, 64MiB or 1GiB")
         sizes.append(int(m.group(1)) * _UNITS[unit])
     return sizes
-
-
-def sha256_file(path: str, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def source_hash() -> str:

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
 import shutil
 import traceback
 
+from megagenome.files.digest import sha256_file
+
 MARKER = "COMPLETE"
-CHUNK = 8 << 20  # bytes read at a time while hashing
 LEVELS = ("digest", "size")  # --checkpoint.verify: SHA-256 and size of every file, or sizes only
 NEARLY_FULL = 16 << 20  # free bytes under which torch's errno-less write errors are taken for a full disk
 _DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
@@ -37,15 +37,6 @@ def human(n: float) -> str:
         if abs(n) < 1024:
             return f"{n:.1f} {unit}"
     return f"{n / 1024:.1f} TiB"
-
-
-def sha256_file(path: str) -> str:
-    """SHA-256 of a file, read in CHUNK-sized pieces."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def list_files(tag_dir: str) -> list[str]:
