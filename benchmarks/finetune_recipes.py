@@ -19,13 +19,14 @@ results say how many, and give each class's test windows right, model against ba
 comes from. Each margin has a paired bootstrap 95% interval over the test windows (from predictions_test.tsv).
 
 Arms (ARMS): `default` adds no flag (lr a quarter of the pretraining run's peak, reverse complements at 0.5 and
-evaluation on both strands, the head's layer and pooling chosen by linear probes on validation); `scratch` is the
-same from random weights (--model.init random), the control that shows what pretraining bought; default_seed_N
-repeat the default under other seeds of the validation split, the training order and the head (the k-mer baseline
-is refitted on each split). The others change one thing at a time, most with the head on the final norm, mean pooled
-(FIXED): the probes' choice against none, evaluation on one strand, no reverse complements, the head's learning rate,
-lower learning rates (lr_1e-4 is the recipe before the defaults changed), the controls under the same flags,
-last-base pooling and a linear probe of the frozen backbone.
+evaluation on both strands, the head's layer and pooling chosen by linear probes on validation); head_x10 and
+layer_decay_0.8 add one learning-rate scale to it (the head's, layer-wise decay); `scratch` is the same from random
+weights (--model.init random), the control that shows what pretraining bought; default_seed_N repeat the default
+under other seeds of the validation split, the training order and the head (the k-mer baseline is refitted on each
+split). The others change one thing at a time, most with the head on the final norm, mean pooled (FIXED): the
+probes' choice against none, evaluation on one strand, no reverse complements, lower learning rates (lr_1e-4 is the
+recipe before the defaults changed), the controls under the same flags, last-base pooling and a linear probe of the
+frozen backbone.
 
 Designed to finish in pieces: an invocation starts no arm after --budget_minutes (default 40; an arm takes 3-12 min
 on 2 cores), and benchmarks/results/finetune_recipes.{json,md} are rewritten after every arm, keeping the arms that
@@ -74,7 +75,8 @@ ARMS = {  # name: flags on top of `megagenome finetune`'s defaults (module docst
     "one_strand_eval": ["--model.rc_average", "false"],
     "final_mean_one_strand_eval": ["--model.rc_average", "false", *FIXED],
     "no_rc": [*NO_RC, *FIXED],
-    "head_x10": ["--train.head_lr_scale", "10", *FIXED],
+    "head_x10": ["--train.head_lr_scale", "10"],  # the head at 10x the backbone's rate
+    "layer_decay_0.8": ["--train.layer_lr_decay", "0.8"],  # block i of n at 0.8^(n - i) of the rate
     "lr_3e-4": ["--train.lr", "3e-4", *FIXED],
     "lr_1e-4": ["--train.lr", "1e-4", *NO_RC, *FIXED],  # the defaults before this benchmark chose them
     "scratch_final_mean": ["--model.init", "random", *FIXED],

@@ -64,7 +64,50 @@ def test_every_arm_parses_as_finetune_flags_and_the_default_adds_none():
         cfg = finetune_config(parser.parse_args(base + flags))
         assert cfg.model.pretrained == "runs/tiny", arm
     assert recipes.ARMS["default"] == [] and recipes.ARMS["scratch"] == ["--model.init", "random"]
-    assert set(recipes.TASKS) == {"two_species", "species"}
+    assert set(recipes.TASKS) == {"two_species", "species", "two_species_held_out"}
+    assert recipes.TASKS["two_species_held_out"][-1] * 4_639_675 < 4_639_675 - 4_400_000  # inside the held-out range
+
+
+def test_the_margins_interval_and_recall_come_from_the_predictions(tmp_path):
+    """from_predictions: each class's windows right (model, baseline, windows), and a paired bootstrap interval of
+    the MCC margin that holds the observed margin; a model that is right wherever the baseline is, and more, has an
+    interval above 0. Without the file: None, not an error."""
+    from sklearn.metrics import matthews_corrcoef
+
+    rows = ["name\tlabel\tpredicted\tp_a\tp_b\tbaseline_predicted"]
+    labels = ["a"] * 50 + ["b"] * 50
+    model = labels[:45] + ["b"] * 5 + labels[50:]  # 5 errors, all on class a
+    base = labels[:35] + ["b"] * 15 + labels[50:98] + ["a"] * 2  # 17 errors
+    rows += [f"w{i}\t{y}\t{m}\t0.5\t0.5\t{b}" for i, (y, m, b) in enumerate(zip(labels, model, base))]
+    (tmp_path / "predictions_test.tsv").write_text("\n".join(rows) + "\n")
+    got = recipes.from_predictions(str(tmp_path), resamples=500)
+    assert got["recall"] == {"a": [45, 35, 50], "b": [50, 48, 50]}
+    low, high = got["margin_ci95"]
+    observed = matthews_corrcoef(labels, model) - matthews_corrcoef(labels, base)
+    assert 0 < low < observed < high
+    assert recipes.from_predictions(str(tmp_path / "gone")) == {"margin_ci95": None, "recall": None}
+
+
+def test_test_windows_inside_the_models_held_out_range_are_counted(tmp_path):
+    """pretraining_overlap: the test windows of the model's own genome (matched by sha256, wherever the task was
+    built) wholly inside its --data.val_ranges; None for a model pretrained on none of the task's genomes."""
+    genome = tmp_path / "g.fa"
+    genome.write_text(">c1\n" + "ACGT" * 100 + "\n")
+    other = tmp_path / "h.fa"
+    other.write_text(">c2\nAAAA\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.yaml").write_text(f"data:\n  fasta: {genome}\n  val_ranges: ['c1:301-400']\n")
+    windows = [{"species": "g", "split": "test", "contig": "c1", "start": s, "end": s + 49} for s in (301, 341, 281)]
+    windows.append({"species": "g", "split": "train", "contig": "c1", "start": 1, "end": 50})
+    manifest = {"genomes": {"g": {"path": "/elsewhere/g.fa", "sha256": recipes.sha256_file(str(genome))},
+                            "h": {"path": str(other), "sha256": recipes.sha256_file(str(other))}},
+                "windows": windows}  # fmt: skip
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert recipes.pretraining_overlap(str(model), str(tmp_path)) == {"species": "g", "test_windows": 3,
+                                                                        "in_held_out": 2}  # fmt: skip
+    (model / "config.yaml").write_text(f"data:\n  fasta: {other.with_name('x.fa')}\n")
+    assert recipes.pretraining_overlap(str(model), str(tmp_path)) is None
 
 
 def test_arms_of_another_model_at_the_same_path_are_not_kept(tmp_path):

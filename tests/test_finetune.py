@@ -138,24 +138,38 @@ def test_from_scratch_is_the_same_architecture_from_random_weights(tuned, traine
     assert train_losses(run)[0] != train_losses(tuned / "zero0")[0] and summary(run)["baseline"]["test"]
 
 
-def test_the_head_has_its_own_learning_rate(tuned, trained):
+def test_the_head_and_each_block_have_their_own_learning_rate(tuned, trained):
     """--train.head_lr_scale: the head's parameters (and only they) in groups of their own at that multiple of the
-    peak learning rate DeepSpeed's AdamW uses; every trainable parameter in exactly one group."""
+    peak learning rate DeepSpeed's AdamW uses. --train.layer_lr_decay d: block i of n at d^(n - i) of it, the
+    embedding at d^(n + 1), the final norm at the peak. Every trainable parameter in exactly one group."""
     from megagenome.model.heads import param_groups
+    from megagenome.model.stack import BlockStack
 
     raw = _cfg(tuned, trained, train={"lr": 2e-4, "head_lr_scale": 10.0})
     prepared = finetune.validate(finetune_config_from_dict(raw), [])
     model = finetune.build(prepared, {})
-    groups = param_groups(model, 0.01, head_lr=2e-3)
+    groups = param_groups(model, 0.01, 2e-4, head_scale=10.0)
     head = {id(p) for p in model.head.parameters()}
     assert {id(p) for g in groups if "lr" in g for p in g["params"]} == head
-    assert all(g["lr"] == 2e-3 for g in groups if "lr" in g)
+    assert all(g["lr"] == pytest.approx(2e-3) for g in groups if "lr" in g)
     ids = [id(p) for g in groups for p in g["params"]]
     assert len(ids) == len(set(ids)) == sum(1 for p in model.parameters() if p.requires_grad)
     assert len(param_groups(model, 0.01)) == 2  # no scale: the two groups as before
-    bad = _cfg(tuned, trained, train={"head_lr_scale": 0.0})
-    with pytest.raises(ConfigError, match="--train.head_lr_scale=0.0 must be positive"):
-        finetune.validate(finetune_config_from_dict(bad), [])
+
+    lr_of = {id(p): g.get("lr", 2e-4) for g in param_groups(model, 0.01, 2e-4, 10.0, 0.5) for p in g["params"]}
+    stack = next(m for m in model.modules() if isinstance(m, BlockStack))
+    n = len(stack.blocks)
+    expected = [(block, 2e-4 * 0.5 ** (n - i)) for i, block in enumerate(stack.blocks)]
+    expected += [(stack.embed, 2e-4 * 0.5 ** (n + 1)), (stack.norm, 2e-4), (model.head, 2e-3)]
+    for module, lr in expected:
+        assert [lr_of[id(p)] for p in module.parameters()] == pytest.approx([lr] * len(list(module.parameters())))
+    for key, value, message in [
+        ("head_lr_scale", 0.0, "must be positive"),
+        ("layer_lr_decay", 1.5, r"must be in \(0, 1\]"),
+    ]:
+        bad = _cfg(tuned, trained, train={key: value})
+        with pytest.raises(ConfigError, match=f"--train.{key}={value} {message}"):
+            finetune.validate(finetune_config_from_dict(bad), [])
 
 
 def test_lora_merged_equals_adapter(tuned):

@@ -126,6 +126,10 @@ class TaskTrainConfig:
     head_lr_scale: float = 1.0
     """The head's peak learning rate as a multiple of --train.lr (the schedule scales both alike): the head starts
     from random weights where the backbone is pretrained."""
+    layer_lr_decay: float = 1.0
+    """Layer-wise learning-rate decay: block i of the backbone's n (0 next to the embedding) trains at --train.lr x
+    decay^(n - i), the embedding at decay^(n + 1); the final norm and the head are not decayed. 1: off (the default:
+    benchmarks/results/finetune_recipes.md measures 0.8)."""
     min_lr: float = 0.0
     """Learning rate at the end of the schedule."""
     warmup_steps: int | None = None
@@ -257,6 +261,8 @@ def finetune_problems(cfg: FinetuneConfig) -> list[str]:
         out.append(f"--train.lr={t.lr} and --train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0")
     if t.head_lr_scale <= 0:
         out.append(f"--train.head_lr_scale={t.head_lr_scale} must be positive")
+    if not 0 < t.layer_lr_decay <= 1:
+        out.append(f"--train.layer_lr_decay={t.layer_lr_decay} must be in (0, 1]")
     if m.lora and m.freeze_backbone:
         out.append("--model.lora and --model.freeze_backbone: LoRA already freezes the backbone's weights; pick one")
     if not 0.0 <= m.head_dropout < 1.0 or not 0.0 <= m.lora_dropout < 1.0:

@@ -48,7 +48,7 @@ LOCK = ".megagenome.lock"
 PREFLIGHT = ".preflight"
 
 
-def predictions(split: str) -> str:
+def predictions_file(split: str) -> str:
     """A fine-tuning run's predictions on `split` ("validation" or "test")."""
     return f"predictions_{split}.tsv"
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megagenome.model.complement import reverse_complement_rows, within_lengths
+from megagenome.model.stack import BlockStack
 
 IGNORE = -100  # a per-base label that carries no loss (padding); data/labelled.py uses the same value
 FINAL_NORM = -1
@@ -143,20 +144,42 @@ def pool(x: torch.Tensor, lengths: torch.Tensor, how: str) -> torch.Tensor:
     return (x * valid[..., None]).sum(1) / lengths[:, None].to(x.dtype)
 
 
-def param_groups(model: nn.Module, weight_decay: float, head_lr: float | None = None) -> list[dict]:
-    """The trainable parameters in two groups: matrices decayed, vectors (biases, norms, gains) not; with head_lr,
-    the head's in two more at that peak learning rate (the others take the optimizer's). Parameters with
+def param_groups(
+    model: nn.Module, weight_decay: float, lr: float | None = None, head_scale: float = 1.0, layer_decay: float = 1.0
+) -> list[dict]:
+    """The trainable parameters grouped by weight decay (matrices decayed; vectors: biases, norms, gains, not) and by
+    learning rate, each a multiple of the peak `lr` the optimizer uses (lr_scales): groups at 1 take the optimizer's,
+    the others carry their own "lr". Groups at 1 come first, decayed before plain, as without scales. Parameters with
     requires_grad False (a frozen backbone, LoRA's base weights) are left out."""
-    head = {id(p) for p in model.head.parameters()} if head_lr is not None else set()
-    decay, plain, head_decay, head_plain = [], [], [], []
+    scales = lr_scales(model, head_scale, layer_decay)
+    if lr is None and any(v != 1.0 for v in scales.values()):
+        raise ValueError("param_groups: a learning-rate scale needs the peak lr")
+    grouped: dict[tuple[float, bool], list] = {}
     for p in model.parameters():
         if p.requires_grad:
-            if id(p) in head:
-                (head_decay if p.ndim >= 2 else head_plain).append(p)
-            else:
-                (decay if p.ndim >= 2 else plain).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    if head_lr is not None:
-        groups += [{"params": head_decay, "weight_decay": weight_decay, "lr": head_lr},
-                   {"params": head_plain, "weight_decay": 0.0, "lr": head_lr}]  # fmt: skip
-    return [g for g in groups if g["params"]]
+            grouped.setdefault((scales.get(id(p), 1.0), p.ndim >= 2), []).append(p)
+    groups = []
+    for scale, decayed in sorted(grouped, key=lambda k: (k[0] != 1.0, -k[0], not k[1])):
+        group = {"params": grouped[scale, decayed], "weight_decay": weight_decay if decayed else 0.0}
+        groups.append(group if scale == 1.0 else {**group, "lr": lr * scale})
+    return groups
+
+
+def lr_scales(model: nn.Module, head_scale: float = 1.0, layer_decay: float = 1.0) -> dict[int, float]:
+    """Each parameter's (by id) multiple of the peak learning rate, where it is not 1: the head's head_scale; with
+    layer-wise decay, block i of the backbone's n (0 next to the embedding) layer_decay ** (n - i) and the embedding
+    layer_decay ** (n + 1), so that the layers nearest the input, which hold the most general features, move least;
+    the final norm and the head are not decayed."""
+    out = {}
+    if layer_decay != 1.0:
+        stack = next(m for m in model.modules() if isinstance(m, BlockStack))  # under LoRA's wrapper too
+        n = len(stack.blocks)
+        for p in stack.embed.parameters():
+            out[id(p)] = layer_decay ** (n + 1)
+        for i, block in enumerate(stack.blocks):
+            for p in block.parameters():
+                out[id(p)] = layer_decay ** (n - i)
+    if head_scale != 1.0:
+        for p in model.head.parameters():
+            out[id(p)] = head_scale
+    return out

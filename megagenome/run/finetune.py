@@ -48,7 +48,17 @@ from megagenome.config.load import locate
 from megagenome.data.task_batches import TrainBatches
 from megagenome.engine import ds_config, ds_final, schedules
 from megagenome.engine import engine as ds
-from megagenome.files.run_files import BEST, CHECKPOINTS, CONFIG, DS_CONFIG, ENV, METRICS, SUMMARY, TASK
+from megagenome.files.run_files import (
+    BEST,
+    CHECKPOINTS,
+    CONFIG,
+    DS_CONFIG,
+    ENV,
+    METRICS,
+    SUMMARY,
+    TASK,
+    predictions_file,
+)
 from megagenome.model import family_of
 from megagenome.model import lora as lora_adapters
 from megagenome.model.heads import FINAL_NORM, TaskModel, param_groups
@@ -159,9 +169,8 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
     # Every rank data-parallel, told to DeepSpeed through an mpu of its own: without one, DeepSpeed would take the
     # groups of an earlier engine in the same processes (its module-level mpu) for this one's.
     mpu = ParallelState.build(rank, ParallelLayout(world, zero_stage=ds_config.zero_stage(ds_conf)))
-    scale = cfg.train.head_lr_scale
-    head_lr = ds_conf["optimizer"]["params"]["lr"] * scale if scale != 1.0 else None  # the peak DeepSpeed's AdamW uses
-    groups = param_groups(model, cfg.train.weight_decay, head_lr)
+    peak = ds_conf["optimizer"]["params"]["lr"]  # the peak DeepSpeed's AdamW uses
+    groups = param_groups(model, cfg.train.weight_decay, peak, cfg.train.head_lr_scale, cfg.train.layer_lr_decay)
     engine = ds.initialize(model, groups, ds_conf, mpu=mpu, lr_scheduler=scheduler)
     device = ds.device()
 
@@ -363,7 +372,7 @@ def _test(engine, cfg, root: str, rank: int, stopping: EarlyStopping, evaluator,
         return summary
     baseline = _baseline(evaluator.data, stopping.metric)  # rank 0 alone, after the last collective
     for split, predictions in outputs.items():
-        path = os.path.join(cfg.log.run_dir, predictions(split))
+        path = os.path.join(cfg.log.run_dir, predictions_file(split))
         theirs = baseline["outputs"][split] if "outputs" in baseline else None
         task_eval.write_predictions(path, evaluator.data, split, predictions, theirs)
     summary["baseline"] = {k: v for k, v in baseline.items() if k != "outputs"}
