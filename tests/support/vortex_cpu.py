@@ -16,7 +16,10 @@ projections, flash attention, flashfft) switched off by their own flags, and flo
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 import sys
+import tempfile
 import types
 
 import torch
@@ -62,9 +65,24 @@ CPU_FLAGS = dict(
 )  # fmt: skip
 
 
+def _import_vortex_logging() -> None:
+    """vortex.logging opens activations_debug.log in the working directory when imported: import it from a temporary
+    one, so that the suite leaves nothing in the checkout (the handler's file goes with the directory)."""
+    if "vortex.logging" in sys.modules:
+        return
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            importlib.import_module("vortex.logging")
+        finally:
+            os.chdir(here)
+
+
 def build(config: dict):
     """vortex's StripedHyena of a config (the YAML's keys), float32 on CPU, in eval mode."""
     install()
+    _import_vortex_logging()
     import logging
 
     from vortex.model.model import StripedHyena
