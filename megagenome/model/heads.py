@@ -173,12 +173,9 @@ def lr_scales(model: nn.Module, head_scale: float = 1.0, layer_decay: float = 1.
     out = {}
     if layer_decay != 1.0:
         stack = next(m for m in model.modules() if isinstance(m, BlockStack))  # under LoRA's wrapper too
-        n = len(stack.blocks)
-        for p in stack.embed.parameters():
-            out[id(p)] = layer_decay ** (n + 1)
-        for i, block in enumerate(stack.blocks):
-            for p in block.parameters():
-                out[id(p)] = layer_decay ** (n - i)
+        depths = stack.parameter_depths()
+        top = max(depths.values())  # the last block's: n
+        out.update({pid: layer_decay ** (top + 1 - depth) for pid, depth in depths.items()})
     if head_scale != 1.0:
         for p in model.head.parameters():
             out[id(p)] = head_scale

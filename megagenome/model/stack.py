@@ -284,6 +284,14 @@ class BlockStack(nn.Module):
         """The model as the pipeline's layer list: embedding, the blocks and the final norm, the LM head."""
         return PipelineLayers(self.embed, [*self.blocks, self.norm], self.lm_head, self.cfg.tie_embeddings)
 
+    def parameter_depths(self) -> dict[int, int]:
+        """Each parameter's (by id) depth from the input: 0 the embedding, i + 1 block i (what layer-wise
+        learning-rate decay reads: model/heads.py lr_scales); the final norm and the head are not listed."""
+        depths = {id(p): 0 for p in self.embed.parameters()}
+        for i, block in enumerate(self.blocks):
+            depths.update({id(p): i + 1 for p in block.parameters()})
+        return depths
+
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW parameter groups: matrices (linears, embedding) decay; norm scales and other 1-D tensors do not, nor
         parameters marked no_weight_decay (the Hyena filters, as HyenaDNA trains them)."""
