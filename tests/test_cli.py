@@ -398,3 +398,17 @@ def test_an_inference_commands_process_group_is_torn_down_before_exit(rc):
         assert _close_world(rc) == rc
         assert not dist.is_initialized()
     assert _close_world(rc) == rc  # no group: nothing to do
+
+
+@pytest.mark.parametrize("rc", [0, 2])
+def test_run_command_closes_the_group_an_inference_command_left(monkeypatch, rc):
+    """Through run_command, as `megagenome eval` ends: a command returning with its group still up leaves none."""
+    import types
+
+    import torch.distributed as dist
+    from support.helpers import world_of_one
+
+    monkeypatch.setattr(cli, "command_module", lambda name: types.SimpleNamespace(main=lambda parsed: rc))
+    with world_of_one():
+        assert cli.run_command("eval", types.SimpleNamespace(argv=[])) == rc
+        assert not dist.is_initialized()
