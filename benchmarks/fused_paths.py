@@ -6,12 +6,12 @@ after the no-sync loop: the CPU evidence for the GPU hot path (issue: fast on th
    (ds_configs/zero1_bf16.json by default, merged by megagenome's build_ds_config, as benchmarks/peers.py does):
    (eager) DNATransformer as written, (compiled) the same model with --model.compile (regional torch.compile of each
    Block: inductor fuses the norms with the residual adds, rotary and SwiGLU). Both are driven by megagenome's own
-   train/loop.py fit() with the shipped --train.sync_interval, K steps per call and one metrics row per call. After W
-   warm-up steps each (the compiled model's first step compiles: its time is reported as the compile cost), R rounds;
-   in each round both run a block of K steps, in alternating order; a block is timed between accelerator
-   synchronisations (after a barrier); a variant's figure is the median over rounds of the slowest rank's seconds per
-   step; the ratio eager/compiled is paired per round (median and interquartile range over rounds). The first step's
-   loss of both (same weights, same batch) is reported: the compiled step is the same computation.
+   train/trainer.py Trainer.fit() with the shipped --train.sync_interval, K steps per call and one metrics row per
+   call. After W warm-up steps each (the compiled model's first step compiles: its time is reported as the compile
+   cost), R rounds; in each round both run a block of K steps, in alternating order; a block is timed between
+   accelerator synchronisations (after a barrier); a variant's figure is the median over rounds of the slowest rank's
+   seconds per step; the ratio eager/compiled is paired per round (median and interquartile range over rounds). The
+   first step's loss of both (same weights, same batch) is reported: the compiled step is the same computation.
 2. Host synchronisations per steady-state step (train/host_syncs.py count_host_syncs: every .item(), float(),
    .tolist(), device->host copy, with the Python line that made it): pretrain.run of a small config in a process of
    its own (a world of one), at this checkout and at --before_ref (a git worktree of the commit before the no-sync
@@ -47,6 +47,13 @@ STEADY = (4, 5, 7)  # steady-state steps that are no sync point (1-2 warm up)
 
 
 # ---------------------------------------------------------------------------------------------------- timing worker
+
+
+class NoCheckpoints:
+    """The checkpointer of the timed Trainer.fit() blocks: the last step of a block saves nothing."""
+
+    def save(self, step: int, state: dict) -> None:
+        pass
 
 
 class Variants:
@@ -128,9 +135,10 @@ class Variants:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def run(self, name: str, n: int) -> float | None:
-        """n steps of variant `name` through fit(), one metrics row at the end; returns that row's loss."""
+        """n steps of variant `name` through Trainer.fit(), one metrics row at the end; returns that row's loss."""
         from megagenome.engine import engine as ds
-        from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
+        from megagenome.train.accounting import LoopPlan
+        from megagenome.train.trainer import Trainer
 
         engine, start, b = self.engines[name], self.cursor[name], self.b
 
@@ -142,10 +150,9 @@ class Variants:
             seq_len=self.cfg.data.seq_len, log_interval=n, eval_interval=0, ckpt_interval=0, flops_per_token=1.0,
             peak_tflops=None, world_size=self.world, rank=self.rank,
         )  # fmt: skip
-        counter = TokenCounter(batch)
-        step_fn = forward_backward_step(engine, counter, self.to_device, b.grad_accum)
-        out = fit(engine, plan, step_fn, dict, lambda s: None, self.writer, ds.all_reduce_sum, False, tokens=counter,
-                  sync_interval=self.sync_interval)  # fmt: skip
+        trainer = Trainer(engine, batch, b.grad_accum, plan=plan, writer=self.writer, reduce_sum=ds.all_reduce_sum,
+                          checkpointer=NoCheckpoints(), sync_interval=self.sync_interval)  # fmt: skip
+        out = trainer.fit()
         self.cursor[name] += n
         return out["train"].get("loss")
 
@@ -198,15 +205,26 @@ if "sync_interval" in {f.name for f in dataclasses.fields(TrainConfig)}:
 cfg = {"model": {"d_model": 32, "n_layer": 2, "n_head": 2, "max_seq_len": 64},
        "data": {"fasta": spec["fasta"], "seq_len": 64, "val_ranges": spec["val_ranges"], "eval_windows": 2},
        "train": train, "checkpoint": {"interval": 0}, "log": {"run_dir": str(work / "run"), "progress": False}}
-original = pretrain.train_step
+try:  # the Trainer's step; a checkout from before it has pretrain.train_step, a step-function factory
+    from megagenome.train.trainer import Trainer
+except ImportError:
+    Trainer = None
 with host_syncs.count_host_syncs() as syncs:
-    def tagged(*args, **kwargs):
-        step_fn = original(*args, **kwargs)
-        def run(step):
+    if Trainer is not None:
+        original = Trainer.step
+        def tagged_step(self, step):
             syncs.step = step + 1
-            return step_fn(step)
-        return run
-    pretrain.train_step = tagged
+            return original(self, step)
+        Trainer.step = tagged_step
+    else:
+        original = pretrain.train_step
+        def tagged(*args, **kwargs):
+            step_fn = original(*args, **kwargs)
+            def run(step):
+                syncs.step = step + 1
+                return step_fn(step)
+            return run
+        pretrain.train_step = tagged
     pretrain.run(config_from_dict(cfg), [], keep_process_group=True)
 steady = spec["steady"]
 print("SYNC_COUNTS " + json.dumps({

@@ -92,10 +92,10 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
     from megagenome.config import ModelConfig, RootConfig
     from megagenome.data.tokenizer import VOCAB_SIZE
     from megagenome.engine import engine as ds
-    from megagenome.engine.memory import memory_probe
+    from megagenome.engine.memory import MemoryProbe
     from megagenome.model.transformer import DNATransformer
     from megagenome.parallel.layout import ParallelLayout
-    from megagenome.train.loop import peak_memory_bytes
+    from megagenome.train.accounting import peak_memory_bytes
 
     samples = {c: {"times": [], "cpu": [], "peaks": []} for c in cells}
     errors: dict[tuple[str, int], str] = {}
@@ -113,7 +113,7 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
     engine = ds.initialize(model, model.param_groups(cfg.train.weight_decay), ds_config)
     os.makedirs(out / run_name, exist_ok=True)
     memory_path = str(out / run_name / "memory.json")
-    probe = memory_probe(engine, memory_path, 1, rank, n_params, world, ds_config)
+    probe = MemoryProbe(engine, memory_path, 1, rank, n_params, world, ds_config)
     gen = torch.Generator().manual_seed(rank)
     acgt = torch.tensor([3, 4, 5, 6])  # token ids of A, C, G, T (megagenome.data.tokenizer)
 
@@ -126,7 +126,8 @@ def run_engine(out: pathlib.Path, run_name: str, cells: list, rounds: int, rank:
         t0, c0 = time.perf_counter(), time.process_time()
         loss, _, _ = engine(**batch)
         engine.backward(loss)
-        probe(index)  # memory.json at the second step: optimizer states exist, gradients complete
+        if index == probe.at_step:  # memory.json at the second step: optimizer states exist, gradients complete
+            probe.record()
         engine.step()
         return time.perf_counter() - t0, time.process_time() - c0
 

@@ -172,36 +172,35 @@ def _saved_tensor_hooks(params: set[int]):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _in_step(make_step):
-    def make(engine, *args, **kwargs):
-        run = make_step(engine, *args, **kwargs)
-        params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+def _in_step(step_method):
+    """Trainer.step counting what DeepSpeed communicates inside it and the activations it saves."""
 
-        def step(*a, **k):
-            before = _ds_totals()
-            STATE["in_step"] = True
-            try:
-                with _saved_tensor_hooks(params):
-                    return run(*a, **k)
-            finally:
-                STATE["in_step"] = False
-                STATE["steps"] += 1
-                for name, (nbytes, calls) in _ds_totals().items():
-                    DS_IN_STEP[name] += nbytes - before.get(name, [0, 0])[0]
-                    DS_CALLS[name] += calls - before.get(name, [0, 0])[1]
+    def step(self, *a, **k):
+        if not hasattr(self, "sweep_params"):  # the parameters' storages, once per Trainer (not inside any step)
+            self.sweep_params = {p.untyped_storage().data_ptr() for p in self.engine.module.parameters()}
+        params = self.sweep_params
+        before = _ds_totals()
+        STATE["in_step"] = True
+        try:
+            with _saved_tensor_hooks(params):
+                return step_method(self, *a, **k)
+        finally:
+            STATE["in_step"] = False
+            STATE["steps"] += 1
+            for name, (nbytes, calls) in _ds_totals().items():
+                DS_IN_STEP[name] += nbytes - before.get(name, [0, 0])[0]
+                DS_CALLS[name] += calls - before.get(name, [0, 0])[1]
 
-        return step
-
-    return make
+    return step
 
 
 def worker(spec_path: pathlib.Path) -> None:
     import torch.distributed as dist
 
     from megagenome.config.load import config_from_dict
-    from megagenome.engine import engine, pipeline
+    from megagenome.engine import engine
     from megagenome.run import pretrain
-    from megagenome.train import loop
+    from megagenome.train.trainer import Trainer
 
     for op in OPS:
         if hasattr(dist, op):
@@ -211,8 +210,7 @@ def worker(spec_path: pathlib.Path) -> None:
     from megagenome.parallel import tensor_parallel
 
     tensor_parallel.dist = deepspeed.comm  # the same collectives, seen by DeepSpeed's comms logger (docstring)
-    loop.forward_backward_step = _in_step(loop.forward_backward_step)  # the step functions pretrain.train_step picks
-    pipeline.train_step = _in_step(pipeline.train_step)
+    Trainer.step = _in_step(Trainer.step)  # the one step of every layout, pipeline stages included
     spec = json.loads(spec_path.read_text())
     me = harness.rank()
     for scenario in spec["scenarios"]:

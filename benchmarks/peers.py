@@ -7,10 +7,10 @@ accumulation, which is [zero1.json, bf16.json] now; both run on DeepSpeed's CPU 
 micro batch and gradient accumulation, merged with the run-config-owned keys by megagenome's own engine/ds_config.py
 build_ds_config (AdamW, WarmupCosineLR, clipping, batch sizes), so all three get one dict:
 
-- (a) megagenome: pretrain.py's step function, train/loop.py forward_backward_step (engine(**batch), backward and
-  step per micro batch, the step's loss read back, pretrain's TokenCounter around the batches), on an engine built
-  as pretrain.run builds it (DNATransformer, its AdamW parameter groups, engine/engine.py initialize with the
-  ParallelState as mpu). Also (a') the same engine driven by train/loop.py fit() itself, K steps per call with one
+- (a) megagenome: the step pretraining runs, train/trainer.py Trainer.step (engine(**batch), backward and step per
+  micro batch, the step's loss read back, the batches' real tokens counted), on an engine built as pretrain.run
+  builds it (DNATransformer, its AdamW parameter groups, engine/engine.py initialize with the ParallelState as mpu).
+  Also (a') the same engine driven by the Trainer's loop, Trainer.fit(), K steps per call with one
   metrics row per call (what a run with --train.log_interval K adds: the stop-signal all-reduce every step, the
   metrics all-reduce and row, the loop's bookkeeping; not the hang watchdog, a thread that only reads a clock);
 - (b) bare DeepSpeed: deepspeed.initialize on the same DNATransformer class (same seed, so the same weights) with

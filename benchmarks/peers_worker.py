@@ -16,8 +16,8 @@ import traceback
 import harness
 
 FRAMEWORKS = {
-    "a": "megagenome step function (forward_backward_step)",
-    "a_fit": "megagenome fit() loop",
+    "a": "megagenome step (Trainer.step)",
+    "a_fit": "megagenome Trainer.fit() loop",
     "b": "bare DeepSpeed loop",
     "c": "Hugging Face Trainer",
 }
@@ -88,6 +88,13 @@ def interleaved_expected(expected: list, W: int, K: int, rounds: int, accum: int
         out += expected[s * accum : (s + K) * accum]
         cursor[name] += K
     return out
+
+
+class NoCheckpoints:
+    """The checkpointer of the timed fit() blocks: the invocation's last step saves nothing (no run directory)."""
+
+    def save(self, step: int, state: dict) -> None:
+        pass
 
 
 class Recorder:
@@ -182,7 +189,7 @@ class Peers:
         from megagenome.model.transformer import DNATransformer
         from megagenome.observe.metrics import MetricsWriter
         from megagenome.parallel.state import ParallelState
-        from megagenome.train.loop import TokenCounter, forward_backward_step
+        from megagenome.train.trainer import Trainer
 
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
@@ -193,7 +200,8 @@ class Peers:
         self.engine_a = ds.initialize(model_a, groups, copy.deepcopy(self.ds_config), mpu=state)
         self.rec_a = Recorder()
         self.engine_a.module.register_forward_pre_hook(self.rec_a, with_kwargs=True)
-        self.step_a = forward_backward_step(self.engine_a, TokenCounter(self.batch_a), self.to_device, self.accum)
+        self.trainer_a = Trainer(self.engine_a, self.batch_a, self.accum, parallel_state=state)
+        self.state = state
         self.writer = MetricsWriter(str(self.work / "fit_metrics.jsonl"), enabled=self.rank == 0)
         torch.manual_seed(cfg.train.seed)
         model_b = DNATransformer(cfg.model, VOCAB_SIZE)
@@ -208,7 +216,7 @@ class Peers:
     def run_a(self, n: int) -> list[float]:
         losses = []
         for _ in range(n):
-            loss, _ = self.step_a(self.cursor["a"])
+            loss, _ = self.trainer_a.step(self.cursor["a"])
             losses.append(loss)
             self.cursor["a"] += 1
         return [float(v) for v in losses]  # the step function returns device tensors: read after the block, as b
@@ -216,7 +224,8 @@ class Peers:
     def run_a_fit(self, n: int) -> list[float]:
         from megagenome.engine import engine as ds
         from megagenome.model.transformer.flops import flops_per_token
-        from megagenome.train.loop import LoopPlan, TokenCounter, fit, forward_backward_step
+        from megagenome.train.accounting import LoopPlan
+        from megagenome.train.trainer import Trainer
 
         cfg, start = self.cfg, self.cursor["a_fit"]
         plan = LoopPlan(
@@ -234,16 +243,11 @@ class Peers:
             rank=self.rank,
             stop_signal=cfg.checkpoint.signal,
         )
-        counter = TokenCounter(self.batch_a)  # as pretrain.run: one counter for the step function and fit()
-        fit_steps = forward_backward_step(self.engine_a, counter, self.to_device, self.accum)
-
-        def no_save(step: int) -> None:
-            pass
-
-        result = fit(
-            self.engine_a, plan, fit_steps, lambda: {}, no_save, self.writer, ds.all_reduce_sum, progress=False,
-            tokens=counter,
+        trainer = Trainer(
+            self.engine_a, self.batch_a, self.accum, parallel_state=self.state, plan=plan, writer=self.writer,
+            reduce_sum=ds.all_reduce_sum, checkpointer=NoCheckpoints(),
         )  # fmt: skip
+        result = trainer.fit()
         self.cursor["a_fit"] += n
         return [result["train"].get("loss")]
 

@@ -1,6 +1,6 @@
 """Checkpoint on signal: the loop stops after the current step with a checkpoint when any rank gets the signal.
 
-Tier 1 drives fit() with a stand-in engine and sends the signal to this very process (the handler only sets a
+Tier 1 drives Trainer.fit() with a stand-in engine and sends the signal to this very process (the handler only sets a
 flag, the loop acts on it at the step boundary); SIGTERM/SIGINT and the grace period are tests/test_stopping.py.
 Tier 3 runs real 2-rank launches, however a user starts them: SIGUSR1 to `launch/local.sh` (exit 75, and a resumed
 run continues to the losses of an uninterrupted one), SIGTERM to it (every rank stops after the same step with its
@@ -22,17 +22,16 @@ import psutil
 import pytest
 from support.helpers import BIN, REPO, copy_genome, env, free_port, launch, signal_run_config
 from support.helpers import SIGNAL_STEPS as STEPS
-from support.stand_in import StandInEngine, step_of
+from support.stand_in import StandInEngine, trainer
 from support.stand_in import plan as loop_plan
 
 from megagenome.config import RootConfig, signal_number, validate
 from megagenome.observe.metrics import MetricsWriter, read_metrics
-from megagenome.train.loop import PREEMPTED_EXIT, Preempted, StopRequest, TrainingStopped, fit
-from megagenome.train.stopping import SIGTERM_EXIT
+from megagenome.train.stopping import PREEMPTED_EXIT, SIGTERM_EXIT, Preempted, StopRequest, TrainingStopped
 
 
 class FakeEngine(StandInEngine):
-    """The engine interface fit() uses, fp32, with a hook that runs inside the optimizer step of chosen calls."""
+    """The engine interface the Trainer uses, fp32, with a hook that runs inside the optimizer step of chosen calls."""
 
     def __init__(self, during_step=None):
         super().__init__()
@@ -52,16 +51,10 @@ def run_fit(tmp_path, engine, the_plan, reduce_sum=lambda v: v):
     saved = []
     writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
     try:
-        fit(
-            engine,
-            the_plan,
-            train_step=step_of(engine)[0],
-            run_eval=lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
-            save_checkpoint=saved.append,
-            writer=writer,
-            reduce_sum=reduce_sum,
-            progress=False,
-        )
+        evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
+        trainer(
+            engine, the_plan, evaluate=lambda: evaluated, save=saved.append, writer=writer, reduce_sum=reduce_sum
+        ).fit()
     finally:
         rows = read_metrics(str(tmp_path / "metrics.jsonl"))
     return saved, [r["step"] for r in rows if "split" not in r]
@@ -81,7 +74,7 @@ def test_signal_stops_after_the_current_step_with_a_checkpoint(tmp_path):
     assert engine.calls == 3  # step 3 finished, step 4 never started
     rows = read_metrics(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [2, 3]  # step 3 is logged although the log interval is 2
-    assert signal.getsignal(signal.SIGUSR1) == before  # the handler lives only as long as fit()
+    assert signal.getsignal(signal.SIGUSR1) == before  # the handler lives only as long as Trainer.fit()
 
 
 def test_saved_checkpoint_is_the_stop_step(tmp_path):
@@ -89,16 +82,7 @@ def test_saved_checkpoint_is_the_stop_step(tmp_path):
     writer = MetricsWriter(str(tmp_path / "m.jsonl"), enabled=True)
     with pytest.raises(Preempted):
         engine = FakeEngine(during_step={4: send_usr1})
-        fit(
-            engine,
-            plan(),
-            train_step=step_of(engine)[0],
-            run_eval=lambda: {},
-            save_checkpoint=saved.append,
-            writer=writer,
-            reduce_sum=lambda v: v,
-            progress=False,
-        )
+        trainer(engine, plan(), save=saved.append, writer=writer).fit()
     assert saved == [4]
 
 
@@ -337,8 +321,8 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_to_the_same_losses(
 
 
 def test_a_signal_during_start_up_stops_after_the_first_step(tmp_path):
-    """pretrain.run installs its StopRequest before data and engine are built and passes it to fit(): a signal then
-    is acted on at the first step boundary, and fit() leaves the caller's handler to the caller."""
+    """pretrain.run installs its StopRequest before data and engine are built and passes it to the Trainer: a signal
+    then is acted on at the first step boundary, and Trainer.fit() leaves the caller's handler to the caller."""
     stop = StopRequest("SIGUSR1")
     try:
         send_usr1()  # arrives before the first step
@@ -346,17 +330,8 @@ def test_a_signal_during_start_up_stops_after_the_first_step(tmp_path):
         with pytest.raises(Preempted) as caught:
             writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
             engine = FakeEngine()
-            fit(
-                engine,
-                plan(),
-                train_step=step_of(engine)[0],
-                run_eval=lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
-                save_checkpoint=saved.append,
-                writer=writer,
-                reduce_sum=lambda v: v,
-                progress=False,
-                stop=stop,
-            )
+            evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
+            trainer(engine, plan(), evaluate=lambda: evaluated, save=saved.append, writer=writer, stop=stop).fit()
         assert caught.value.step == 1 and saved == [1]
         assert signal.getsignal(signal.SIGUSR1) == stop._handle  # still the caller's
     finally:

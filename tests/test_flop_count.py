@@ -32,7 +32,7 @@ from megagenome.config import ModelConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
 from megagenome.model.transformer import DNATransformer
 from megagenome.model.transformer.flops import flops_per_token, forward_flops_per_token, hardware_flops_per_token
-from megagenome.train.loop import LoopPlan, _train_row
+from megagenome.train.accounting import LoopPlan, train_row
 
 B, T, D, LAYERS, HEADS = 2, 32, 32, 2, 2
 TOKENS = B * T
@@ -151,7 +151,7 @@ def test_the_conventions_differ_by_the_attention_half():
 
 
 def test_train_rows_carry_both_conventions():
-    """_train_row divides the headline (causal) and the full-attention counts by the same time and peak."""
+    """train_row divides the headline (causal) and the full-attention counts by the same time and peak."""
     plan = LoopPlan(
         start_step=0, max_steps=4, stop_at=4, global_batch=2, seq_len=8, log_interval=1, eval_interval=0,
         ckpt_interval=0, flops_per_token=6.0, peak_tflops=1e-9, world_size=1, rank=0, hw_flops_per_token=8.0,
@@ -161,7 +161,7 @@ def test_train_rows_carry_both_conventions():
         device=torch.device("cpu"), get_lr=lambda: [1e-3], get_global_grad_norm=lambda: None, fp16_enabled=lambda: False
     )
     window = types.SimpleNamespace(loss=2.0, steps=2, seconds=0.5)
-    row = _train_row(engine, plan, window, 2, 1.0, None, lambda values: values)
+    row = train_row(engine, plan, window, 2, 1.0, None, lambda values: values)
     tokens_per_s = 2 * 8 * 2 / 0.5
     assert row["tokens_per_s"] == tokens_per_s
     for key, per_token in (("tflops_per_gpu", 6.0), ("tflops_per_gpu_full_attn", 9.0)):
@@ -171,7 +171,7 @@ def test_train_rows_carry_both_conventions():
         assert row[key] == pytest.approx(per_token * tokens_per_s / 1e12 / 1e-9)
     # Without full-attention counts (an mlm run, whose headline already counts every score) the columns repeat it.
     plan.flops_per_token_full_attn = plan.hw_flops_per_token_full_attn = None
-    row = _train_row(engine, plan, window, 2, 1.0, None, lambda values: values)
+    row = train_row(engine, plan, window, 2, 1.0, None, lambda values: values)
     assert row["mfu_full_attn"] == row["mfu"] and row["hfu_full_attn"] == row["hfu"]
 
 

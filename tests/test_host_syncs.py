@@ -1,6 +1,6 @@
 """Tier 2: host synchronisations per training step, counted on a real DeepSpeed engine (train/host_syncs.py).
 
-pretrain.run in this process (a world of one, tests/support/helpers.py): the real engine, step function, fit(),
+pretrain.run in this process (a world of one, tests/support/helpers.py): the real engine, the Trainer's step and loop,
 divergence guard, stop request and prefetcher. count_host_syncs() records every sync with the Python line that made
 it: a TorchDispatchMode for what dispatch sees (item, float, bool, equal, device<->host copies), patched
 Tensor.tolist/.cpu/.numpy for what it cannot (on CPU tensors they dispatch nothing). On the CPU nothing really
@@ -19,6 +19,7 @@ from support.helpers import REPO, copy_genome, tiny_config, world_of_one
 from megagenome.config.load import config_from_dict
 from megagenome.run import pretrain
 from megagenome.train.host_syncs import count_host_syncs
+from megagenome.train.trainer import Trainer
 
 STEPS, SYNC, LOG = 8, 3, 6  # sync points after steps 3, 6 (a log step) and 8 (the last: eval, checkpoint)
 BETWEEN = (4, 5, 7)  # steady-state steps that are no sync point (steps 1-2 warm up: memory probe, first buckets)
@@ -40,23 +41,18 @@ def run_counted(tmp_path, fragments: list[str]):
         eval_interval=0, sync_interval=SYNC, ds_config=[str(REPO / "ds_configs" / f) for f in fragments]
     )
     cfg["checkpoint"]["interval"] = 0
-    original = pretrain.train_step
+    original = Trainer.step
     with count_host_syncs() as syncs:
 
-        def tagged(*args, **kwargs):
-            step_fn = original(*args, **kwargs)
+        def tagged(self, step: int):
+            syncs.step = step + 1  # what follows, up to the next step, is step + 1's (as metrics rows count)
+            return original(self, step)
 
-            def run(step: int):
-                syncs.step = step + 1  # what follows, up to the next step, is step + 1's (as metrics rows count)
-                return step_fn(step)
-
-            return run
-
-        pretrain.train_step = tagged
+        Trainer.step = tagged
         try:
             pretrain.run(config_from_dict(cfg), [], keep_process_group=True)
         finally:
-            pretrain.train_step = original
+            Trainer.step = original
     return syncs
 
 

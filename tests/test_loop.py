@@ -8,11 +8,11 @@ GPU-marked tests in tests/test_fp16_gpu.py.
 
 import pytest
 import torch
-from support.stand_in import StandInEngine, plan, step_of
+from support.stand_in import StandInEngine, plan, trainer
 
 from megagenome.observe.metrics import MetricsWriter, read_metrics
 from megagenome.run.summary import print_summary
-from megagenome.train.loop import TrainingStopped, fit
+from megagenome.train.stopping import TrainingStopped
 
 
 class FakeFp16Engine(StandInEngine):
@@ -40,18 +40,8 @@ class FakeFp16Engine(StandInEngine):
 
 def run_fit(engine, tmp_path, saved):
     writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
-    step, tokens = step_of(engine)
-    return fit(
-        engine,
-        plan(),
-        step,
-        lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
-        saved.append,
-        writer,
-        lambda values: values,
-        progress=False,
-        tokens=tokens,
-    )
+    evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
+    return trainer(engine, plan(), evaluate=lambda: evaluated, save=saved.append, writer=writer).fit()
 
 
 def test_skipped_steps_and_loss_scale_are_logged(tmp_path):
@@ -117,8 +107,7 @@ def test_accounting_columns(tmp_path):
 
     writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
     evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
-    step, tokens = step_of(engine, train_batch)
-    fit(engine, p, step, lambda: evaluated, lambda s: None, writer, reduce_sum, False, tokens)
+    trainer(engine, p, train_batch, evaluate=lambda: evaluated, writer=writer, reduce_sum=reduce_sum).fit()
     rows = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "split" not in r]
     assert calls == [3 + 2] * 3  # loss, real tokens, batches, one memory slot per rank: one collective per row
     for r in rows:
@@ -140,8 +129,7 @@ def test_ranks_that_do_not_count_tokens_and_batches_without_weights(tmp_path):
     writer = MetricsWriter(str(tmp_path / "a.jsonl"), enabled=True)
     evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
     engine = StandInEngine()
-    step, tokens = step_of(engine, lambda s, m: batch)
-    fit(engine, p, step, lambda: evaluated, [].append, writer, lambda v: v, False, tokens)
+    trainer(engine, p, lambda s, m: batch, evaluate=lambda: evaluated, writer=writer).fit()
     rows = [r for r in read_metrics(str(tmp_path / "a.jsonl")) if "split" not in r]
     assert [r["window_real_tokens"] for r in rows] == [None, None]
     run_fit(StandInEngine(), tmp_path, [])  # batches without loss_weight: nothing to count
@@ -212,10 +200,9 @@ def test_bad_steps_are_judged_at_the_next_sync_point_in_step_order(tmp_path, act
         rolled.append((bad_step, engine.forwards))
         return 0
 
-    step, tokens = step_of(engine)
     p = plan(max_steps=8, log_interval=8)
-    fit(engine, p, step, lambda: {"bits_per_base": 1.0}, [].append, writer, reduce_sum, False, tokens, guard=guard,
-        rollback=rollback, sync_interval=4)  # fmt: skip
+    trainer(engine, p, evaluate=lambda: {"bits_per_base": 1.0}, rollback=rollback, writer=writer, reduce_sum=reduce_sum,
+            guard=guard, sync_interval=4).fit()  # fmt: skip
     events = [(r["step"], r["event"]) for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "event" in r]
     if action == "rollback":
         assert rolled == [(2, 4)] and events == [(0, "rollback")]  # noticed after step 4, back to before step 2
@@ -241,10 +228,9 @@ def test_a_rollback_without_checkpoint_skips_and_judges_the_steps_after_it(tmp_p
         guard = Guard(TrainConfig(on_nonfinite="rollback", nonfinite_limit=2), lambda v: v, 1.0, fp16=False)
         path = tmp_path / f"metrics{every}.jsonl"
         writer = MetricsWriter(str(path), enabled=True)
-        step, tokens = step_of(engine)
         with pytest.raises(Diverged, match="3 bad steps"):
-            fit(engine, plan(max_steps=8, log_interval=8), step, lambda: {}, [].append, writer, lambda v: v, False,
-                tokens, guard=guard, rollback=lambda bad: None, sync_interval=every)  # fmt: skip
+            trainer(engine, plan(max_steps=8, log_interval=8), rollback=lambda bad: None, writer=writer, guard=guard,
+                    sync_interval=every).fit()  # fmt: skip
         outcomes[every] = [(r["step"], r["event"]) for r in read_metrics(str(path)) if "event" in r]
     assert outcomes[8] == outcomes[1] == [(2, "skip"), (3, "skip"), (4, "skip")]
 

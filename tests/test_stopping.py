@@ -1,6 +1,6 @@
 """Tier 1: stopping on SIGTERM/SIGINT (train/stopping.py) with real signals to real processes.
 
-fit() runs over a stand-in engine in this process and the test sends itself the signal from inside a step; the
+Trainer.fit() runs over a stand-in engine in this process and the test sends itself the signal from inside a step; the
 other rank of the agreement is its vote added in reduce_sum. The deadline and the launcher watch end a process,
 so they run in child processes: a deadline that fires exits with 143 and one line, and a rank whose launcher is
 SIGKILLed notices within a second.
@@ -18,12 +18,19 @@ import time
 
 import pytest
 from support.helpers import REPO, env
-from support.stand_in import StandInEngine, step_of
+from support.stand_in import StandInEngine, trainer
 from support.stand_in import plan as loop_plan
 
 from megagenome.observe.metrics import MetricsWriter, read_metrics
-from megagenome.train.loop import Preempted, fit
-from megagenome.train.stopping import CHECKPOINT, INTERRUPT, SIGINT_EXIT, SIGTERM_EXIT, TERMINATE, StopRequest
+from megagenome.train.stopping import (
+    CHECKPOINT,
+    INTERRUPT,
+    SIGINT_EXIT,
+    SIGTERM_EXIT,
+    TERMINATE,
+    Preempted,
+    StopRequest,
+)
 
 
 class SignallingEngine(StandInEngine):
@@ -51,8 +58,9 @@ def run_fit(tmp_path, engine, stop, reduce_sum=lambda v: v, ckpt_interval=0, sav
     writer = MetricsWriter(str(tmp_path / "metrics.jsonl"), enabled=True)
     try:
         with pytest.raises(Preempted) as caught:
-            fit(engine, plan, step_of(engine)[0], lambda: {"loss": 1.0, "bits_per_base": 1.0, "bases": 1},
-                save_checkpoint, writer, reduce_sum, False, stop=stop)  # fmt: skip
+            evaluated = {"loss": 1.0, "bits_per_base": 1.0, "bases": 1}
+            trainer(engine, plan, evaluate=lambda: evaluated, save=save_checkpoint, writer=writer,
+                    reduce_sum=reduce_sum, stop=stop).fit()  # fmt: skip
     finally:
         stop.close()
     rows = read_metrics(str(tmp_path / "metrics.jsonl"))
@@ -238,8 +246,8 @@ def test_every_rank_stops_after_the_same_step_with_sync_interval(tmp_path, sync_
         plan = loop_plan(max_steps=10, log_interval=100)
         writer = MetricsWriter(str(tmp_path / f"m{r}.jsonl"), enabled=True)
         try:
-            fit(engine, plan, step_of(engine)[0], lambda: {}, saved.append, writer, make_reduce(r, calls), False,
-                stop=stop, guard=guard, sync_interval=sync_interval)  # fmt: skip
+            trainer(engine, plan, save=saved.append, writer=writer, reduce_sum=make_reduce(r, calls), stop=stop,
+                    guard=guard, sync_interval=sync_interval).fit()  # fmt: skip
         except Preempted as e:
             results[r] = {"step": e.step, "code": e.exit_code, "saved": saved, "calls": calls, "steps": engine.calls}
         finally:

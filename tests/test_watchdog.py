@@ -35,15 +35,27 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
     return False
 
 
+def stepping(dog: Watchdog, fn):
+    """fn(i) run as the Trainer runs a step under the watchdog (train/trainer.py _step_or_stop)."""
+
+    def step(i: int):
+        dog.step_starts(i)
+        out = fn(i)
+        dog.beat(i + 1)
+        return out
+
+    return step
+
+
 def test_fires_when_a_step_takes_too_long(tmp_path):
     exited = Exited()
     dog = Watchdog(0.3, rank=5, dump_dir=str(tmp_path), exit=exited).start()
-    step = dog.wrap(lambda i: time.sleep(0.05) or (1.0, None))
+    step = stepping(dog, lambda i: time.sleep(0.05) or (1.0, None))
     for i in range(3):  # fast steps: no firing, however long the run
         step(i)
     time.sleep(0.1)
     assert exited == []
-    slow = dog.wrap(lambda i: time.sleep(2.0))
+    slow = stepping(dog, lambda i: time.sleep(2.0))
     slow(3)
     assert exited == [HANG_EXIT]
     dump = (tmp_path / "hang_rank5.txt").read_text()
@@ -56,7 +68,7 @@ def test_clock_starts_at_the_first_step_and_stops(tmp_path):
     dog = Watchdog(0.2, rank=0, dump_dir=str(tmp_path), exit=exited).start()
     time.sleep(0.6)  # start-up (data, engine) is not timed
     assert exited == []
-    dog.wrap(lambda i: None)(0)
+    stepping(dog, lambda i: None)(0)
     dog.stop()
     time.sleep(0.6)
     assert exited == [] and not (tmp_path / "hang_rank0.txt").exists()
@@ -105,7 +117,7 @@ def test_evaluation_and_saving_do_not_count(tmp_path):
     """pretrain.py runs evaluation and checkpoint saves under paused(): a long save is not a hang."""
     exited = Exited()
     dog = Watchdog(0.3, rank=0, dump_dir=str(tmp_path), exit=exited).start()
-    dog.wrap(lambda i: None)(0)
+    stepping(dog, lambda i: None)(0)
     with dog.paused():
         time.sleep(1.0)  # over three timeouts
     assert exited == []

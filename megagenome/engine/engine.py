@@ -137,7 +137,7 @@ def section_problems(ds: dict, sources: dict[str, str], path: str) -> list[str]:
 
 def reports_grad_norm(engine) -> bool:
     """Whether DeepSpeed records the step's global gradient norm: under ZeRO or mixed precision, not for plain fp32
-    ZeRO-0, where the step function measures it itself (train/loop.py StepFn)."""
+    ZeRO-0, where the step measures it itself (train/trainer.py Trainer.step)."""
     return bool(engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
 
 

@@ -1,9 +1,11 @@
 """Per-rank model-state bytes (layer L2, a DeepSpeed seam): params, gradients, fp32 master weights and optimizer
-states counted from the tensors a DeepSpeed engine holds, for memory.json (`memory_probe`) and the memory tests
+states counted from the tensors a DeepSpeed engine holds, for memory.json (`MemoryProbe`) and the memory tests
 and benchmarks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from megagenome.engine import ds_config as dsc
 from megagenome.engine import engine as ds
@@ -155,31 +157,38 @@ def replica_state_bytes_per_parameter(ranks: list[dict], stage: int, dp_size: in
     return states / max(1.0, sum(r["parameters"] for r in ranks) / dp_size)
 
 
-def memory_probe(engine, path: str, at_step: int, rank: int, n_params: int, dp_size: int, ds_config: dict):
-    """A StepFn on_gradients callback (train/loop.py): at step index `at_step`, gather every rank's model-state
-    bytes (model_state_bytes) and have rank 0 write them to `path`, next to the ZeRO paper's formula
-    (metrics.zero_model_state_bytes; docs/architecture.md, "Performance method")."""
+@dataclass
+class MemoryProbe:
+    """At step index `at_step`, with the step's gradients complete, gather every rank's model-state bytes
+    (model_state_bytes) and have rank 0 write them to `path`, next to the ZeRO paper's formula
+    (metrics.zero_model_state_bytes; docs/architecture.md, "Performance method"). The Trainer (train/trainer.py)
+    calls record() at that step."""
 
-    def probe(step: int) -> None:
-        if step != at_step:
-            return
-        ranks = ds.all_gather_object({**model_state_bytes(engine), "parameters": n_params})
-        if rank != 0:
+    engine: object
+    path: str
+    at_step: int
+    rank: int
+    n_params: int
+    dp_size: int
+    ds_config: dict
+
+    def record(self) -> None:
+        engine, ds_config = self.engine, self.ds_config
+        ranks = ds.all_gather_object({**model_state_bytes(engine), "parameters": self.n_params})
+        if self.rank != 0:
             return
         stage = dsc.zero_stage(ds_config)
         record = {
-            "step": step + 1,
+            "step": self.at_step + 1,
             "world_size": len(ranks),
-            "parameters": n_params,
+            "parameters": self.n_params,
             "zero_stage": stage,
             "offload": sorted(dsc.offload_devices(ds_config)),
             "precision": dsc.weights_dtype(ds_config),
             "grad_accum_dtype": ds_config.get("data_types", {}).get("grad_accum_dtype"),
             "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
-            "optimizer_state_bytes_per_parameter": replica_state_bytes_per_parameter(ranks, stage, dp_size),
-            "formula_bytes_per_rank": zero_model_state_bytes(n_params, stage, dp_size),
+            "optimizer_state_bytes_per_parameter": replica_state_bytes_per_parameter(ranks, stage, self.dp_size),
+            "formula_bytes_per_rank": zero_model_state_bytes(self.n_params, stage, self.dp_size),
             "ranks": ranks,
         }
-        write_json(path, record)
-
-    return probe
+        write_json(self.path, record)

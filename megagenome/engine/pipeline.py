@@ -28,12 +28,12 @@ A micro batch is (input_ids, (labels, loss_weight)): DeepSpeed feeds the first p
 the second to `loss_fn` on the last stage, so the loss weights travel with the labels. `loss_fn` is the model's
 forward's weighted cross-entropy (DNATransformer.forward), line for line.
 
-The loop drives this engine through `train_step` (one engine.train_batch per optimizer step, its micro batches pulled
-through DeepSpeed's schedule; the loop's StepFn, like train/loop.py forward_backward_step) and `eval_sums`
-(engine.eval_batch), chosen once by the assembly (pretrain.py train_step, assembly.py Run.eval_sums). Checkpoints are
-DeepSpeed's pipeline layout: one layer_XX[-model_YY]-model_states.pt per layer (and tensor rank; tied copies after the
-first are not written) plus one mp_rank_XX_model_states.pt of optimizer state per stage and tensor rank;
-`dense_state_dict` reassembles the layer files into the model's dense state dict.
+The Trainer (train/trainer.py) drives this engine with one engine.train_batch per optimizer step, its micro batches
+(`as_pipe_batch`) pulled through DeepSpeed's schedule, its gradient norm (`grad_norm`) and memory record taken in
+`before_optimizer_step`; evaluation goes through `eval_sums` (engine.eval_batch, chosen by assembly.py
+Run.eval_sums). Checkpoints are DeepSpeed's pipeline layout: one layer_XX[-model_YY]-model_states.pt per layer
+(and tensor rank; tied copies after the first are not written) plus one mp_rank_XX_model_states.pt of optimizer
+state per stage and tensor rank; `dense_state_dict` reassembles the layer files into the model's dense state dict.
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ def as_pipe_batch(batch: dict[str, torch.Tensor]) -> tuple:
 
 
 def grad_norm(engine) -> float:
-    """2-norm of the step's gradients over every stage and tensor rank (each gradient counted once): the StepFn's
-    grad_norm where DeepSpeed records none (engine/engine.py reports_grad_norm)."""
+    """2-norm of the step's gradients over every stage and tensor rank (each gradient counted once): the Trainer's
+    norm where DeepSpeed records none (engine/engine.py reports_grad_norm)."""
     import torch.distributed as dist
 
     squares = torch.zeros((), dtype=torch.float64, device=engine.device)
@@ -217,44 +217,8 @@ def before_optimizer_step(engine, hook: Callable[[], None]) -> None:
     engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, schedule.OptimizerStep: step}
 
 
-def train_step(
-    engine,
-    train_batch: Callable[[int, int], dict],
-    to_device: Callable[[dict], dict],
-    grad_accum: int,
-    grad_norm: Callable[[], float] | None = None,
-    on_gradients: Callable[[int], None] | None = None,
-) -> Callable[[int], tuple[torch.Tensor, float | None]]:
-    """The loop's step function (train/loop.py StepFn, the same signature as forward_backward_step) for a pipeline
-    engine: one engine.train_batch per optimizer step, over the grad_accum micro batches train_batch(step, m) of
-    this data-parallel rank.
-
-    Only the first and last stages read data (DeepSpeed pulls inputs and labels there), lazily. Returns
-    (loss, grad_norm()): the loss is the step's mean over micro batches and data-parallel ranks, as DeepSpeed
-    broadcasts it to every stage, a device tensor the loop reads at its next sync point. grad_norm() and
-    on_gradients(step) run on every rank right before the optimizer step.
-    """
-    current = {"step": -1, "norm": None}
-
-    def hook() -> None:
-        if grad_norm is not None:
-            current["norm"] = grad_norm()
-        if on_gradients is not None:
-            on_gradients(current["step"])
-
-    before_optimizer_step(engine, hook)
-
-    def run(step: int) -> tuple[torch.Tensor, float | None]:
-        current["step"], current["norm"] = step, None
-        micro_batches = (as_pipe_batch(to_device(train_batch(step, m))) for m in range(grad_accum))
-        loss = engine.train_batch(data_iter=micro_batches)
-        return torch.as_tensor(loss).detach().to(torch.float64), current["norm"]
-
-    return run
-
-
 def eval_sums(engine, batches: Iterable[dict], to_device: Callable[[dict], dict]) -> tuple[float, float]:
-    """(nll_sum, weight_sum) of this rank's evaluation batches through engine.eval_batch (train/loop.py
+    """(nll_sum, weight_sum) of this rank's evaluation batches through engine.eval_batch (train/trainer.py
     evaluate's `sums`). The last stage holds the sums; other stages return zeros, so a sum over all ranks
     counts every data-parallel replica's batches once."""
     micro_batches = [as_pipe_batch(to_device(b)) for b in batches]

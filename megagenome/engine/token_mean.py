@@ -21,9 +21,6 @@ micro batch's own weight, exactly: such runs train bit for bit as before. DeepSp
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -43,10 +40,3 @@ def set_global_denominators(
     share = (total.clamp(min=1.0) / (len(batches) * dp_size * loss_factor)).float()  # () float32
     for b in batches:
         b["weight_total"] = share
-
-
-def step_denominators(device: torch.device, dp_size: int, dp_group, loss_factor: int = 1) -> Callable:
-    """set_global_denominators for this rank's layout: the `denominators` of train/loop.py forward_backward_step."""
-    return functools.partial(
-        set_global_denominators, device=device, dp_size=dp_size, dp_group=dp_group, loss_factor=loss_factor
-    )

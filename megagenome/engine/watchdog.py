@@ -33,7 +33,8 @@ GRACE_S = 10.0  # after dumping, before exiting: the other ranks' watchdogs fire
 
 
 class Watchdog:
-    """watchdog.wrap(step_fn) beats on every completed step; the thread exits the process on a timeout."""
+    """The Trainer calls step_starts(i) before and beat(i + 1) after each step; the thread exits the process on a
+    timeout."""
 
     def __init__(self, timeout_s: float, rank: int, dump_dir: str, exit: Callable[[int], None] = os._exit):
         self.timeout_s, self.rank, self.dump_dir, self._exit = timeout_s, rank, dump_dir, exit
@@ -63,17 +64,10 @@ class Watchdog:
             if last is not None:
                 self.beat(self._step)
 
-    def wrap(self, step_fn: Callable[[int], tuple]) -> Callable[[int], tuple]:
-        """step_fn(step) with the clock started before the first call and restarted after each one returns."""
-
-        def step(index: int):
-            if self._last is None:
-                self.beat(index)
-            out = step_fn(index)
-            self.beat(index + 1)
-            return out
-
-        return step
+    def step_starts(self, step: int) -> None:
+        """Step index `step` starts: the clock starts unless it runs (the first step, or the first after a pause)."""
+        if self._last is None:
+            self.beat(step)
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)

@@ -41,7 +41,7 @@ from megagenome.parallel.sequence_conv import ConvExchange
 from megagenome.parallel.state import ParallelState
 from megagenome.parallel.tensor_parallel import TensorParallelLayers
 from megagenome.run import resume_checks
-from megagenome.train.loop import evaluate, forward_sums
+from megagenome.train.trainer import evaluate, forward_sums
 from megagenome.weights import checkpoint
 
 
@@ -201,7 +201,7 @@ class Run:
 
     @property
     def eval_sums(self):
-        """sums(engine, batches, to_device) -> (nll_sum, weight_sum) of this rank's evaluation batches: train/loop.py
+        """sums(engine, batches, to_device) -> (nll_sum, weight_sum) of this rank's evaluation batches: train/trainer.py
         evaluate's `sums` (a pipeline engine's last stage holds the loss, engine/pipeline.py)."""
         return pipeline.eval_sums if self.layout.pipeline > 1 else forward_sums
 
@@ -303,6 +303,17 @@ def evaluate_heldout(run: Run, data: GenomeData) -> dict:
         return [v / layout.tensor for v in ds.all_reduce_sum(values)]  # tensor-parallel ranks hold replicated sums
 
     return evaluate(run.engine, batches, reduce, run.to_device, run.eval_sums)
+
+
+@dataclass
+class HeldOut:
+    """The Trainer's evaluator (train/trainer.py) of a pretraining run: evaluate() is evaluate_heldout."""
+
+    run: Run
+    data: GenomeData
+
+    def evaluate(self) -> dict:
+        return evaluate_heldout(self.run, self.data)
 
 
 def _eval_batches(data: GenomeData, rank: int, dp_size: int, micro: int):

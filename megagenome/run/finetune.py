@@ -72,6 +72,7 @@ from megagenome.parallel.state import ParallelState
 from megagenome.run import task_baseline, task_data, task_eval, task_probe
 from megagenome.run.task_data import TaskData
 from megagenome.train.task_loop import EarlyStopping, TaskPlan, fit_task
+from megagenome.train.trainer import Trainer
 from megagenome.weights import checkpoint
 from megagenome.weights.consolidate import CheckpointError
 from megagenome.weights.load import read_weights
@@ -195,31 +196,16 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
         p.data.splits["train"], p.data.task, batch.micro, batch.grad_accum, rank, world, cfg.data.seed, cfg.data.rc_prob
     )
     keep_last = max(cfg.checkpoint.keep_last, cfg.train.patience + 1)
-
-    def save(step: int, state: EarlyStopping) -> None:
-        client = {"step": step, "early_stopping": state.state(), "task_key": record["key"]}
-        # Retention is this run's (_prune): checkpoint.save keeps everything, so the best one is never removed.
-        checkpoint.save(engine, root, step, client, rank, 10**9, ds.barrier, gather=ds.all_gather_object)
-        if rank == 0:
-            _prune(root, keep_last, state.best_step)
-            if state.best_step is not None:
-                write_json(os.path.join(cfg.log.run_dir, BEST), {"step": state.best_step, metric: state.best})
-
+    saves = TaskCheckpoints(engine, cfg.log.run_dir, rank, keep_last, record["key"], metric)
+    reduce = ds.all_reduce_sum
+    trainer = Trainer(
+        engine, batches, batch.grad_accum, writer=writer, reduce_sum=reduce, evaluator=evaluator, checkpointer=saves
+    )
     t = cfg.train
     plan = TaskPlan(start, t.max_steps, t.stop_at or t.max_steps, batch.grad_accum, batch.global_batch,
                     t.eval_interval, t.log_interval, world, rank, cfg.log.progress)  # fmt: skip
     try:
-        result = fit_task(
-            engine,
-            batches,
-            to_device,
-            lambda: evaluator.metrics("validation")[0],
-            save,
-            ds.all_reduce_sum,
-            writer.write,
-            stopping,
-            plan,
-        )
+        result = fit_task(trainer, stopping, plan)
         finished = result.stopped_early or result.last_step >= cfg.train.max_steps
         summary = _test(engine, cfg, root, rank, stopping, evaluator, writer) if finished else {}
     finally:
@@ -231,6 +217,29 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
         write_json(os.path.join(cfg.log.run_dir, SUMMARY), summary)
         _print_summary(cfg, summary)
     return summary
+
+
+@dataclass
+class TaskCheckpoints:
+    """The fine-tuning checkpointer: save(step, stopping) writes a checkpoint with the early-stopping state (so a
+    resumed run stops where the uninterrupted one would), keeps the keep_last newest and the best, and best.json."""
+
+    engine: object
+    run_dir: str
+    rank: int
+    keep_last: int
+    task_key: str
+    metric: str
+
+    def save(self, step: int, stopping: EarlyStopping) -> None:
+        client = {"step": step, "early_stopping": stopping.state(), "task_key": self.task_key}
+        root = os.path.join(self.run_dir, CHECKPOINTS)
+        # Retention is this run's (_prune): checkpoint.save keeps everything, so the best one is never removed.
+        checkpoint.save(self.engine, root, step, client, self.rank, 10**9, ds.barrier, gather=ds.all_gather_object)
+        if self.rank == 0:
+            _prune(root, self.keep_last, stopping.best_step)
+            if stopping.best_step is not None:
+                write_json(os.path.join(self.run_dir, BEST), {"step": stopping.best_step, self.metric: stopping.best})
 
 
 def _prune(root: str, keep_last: int, best: int | None) -> None:

@@ -10,7 +10,7 @@ The run is assembled in named stages (assembly.py does the first ones, which eva
     model + engine  assembly.assemble      this rank's model (shard, stage) inside the DeepSpeed engine
     records         _write_records         config.yaml, ds_config.json, env.json, split.json in the run directory
     resume          _resume                the checkpoint to continue from, if any
-    fit             _fit                   the training loop (train/loop.py) with evaluation and checkpoints
+    fit             _fit                   the Trainer (train/trainer.py): steps, evaluation and checkpoints
     summary         summary.summarise      held-out bits/base against Markov baselines, throughput, memory
 """
 
@@ -21,32 +21,29 @@ import os
 import shlex
 import socket
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from megagenome.config import ConfigError, RootConfig, config_hash, resume_record, signal_number, to_dict
 from megagenome.data.curriculum import Curriculum
 from megagenome.data.dataset import GenomeData
-from megagenome.engine import ds_config, ds_final, pipeline
+from megagenome.engine import ds_config, ds_final
 from megagenome.engine import engine as ds
-from megagenome.engine.memory import memory_probe
-from megagenome.engine.token_mean import step_denominators
+from megagenome.engine.memory import MemoryProbe
 from megagenome.engine.watchdog import Watchdog
 from megagenome.files.run_files import CONFIG, DS_CONFIG, ENV, MEMORY, METRICS, SPLIT
 from megagenome.model import attention_summary, family_of
 from megagenome.observe import console, dashboards
 from megagenome.observe.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak
 from megagenome.observe.record import env_record, write_json, write_yaml
-from megagenome.parallel import tensor_parallel
-from megagenome.parallel.sequence import shard_batch
 from megagenome.run import assembly, host_memory, resume_checks, summary
 from megagenome.run.assembly import Run, Validated
 from megagenome.run.lock import RunLock, RunLocked
-from megagenome.train import loop
+from megagenome.train.accounting import LoopPlan
 from megagenome.train.divergence import Guard, guard_optimizer
-from megagenome.train.loop import LoopPlan, StopRequest, TokenCounter, TrainingStopped, fit
-from megagenome.train.prefetch import Prefetcher
+from megagenome.train.stopping import StopRequest, TrainingStopped
+from megagenome.train.trainer import GenomeBatches, LossMean, Trainer
 from megagenome.weights import checkpoint
 
 
@@ -268,125 +265,110 @@ def _resume(run: Run, validated: Validated, quiet) -> tuple[int, MetricsWriter, 
 def _fit(
     run: Run, data: GenomeData, plan: LoopPlan, writer: MetricsWriter, stop: StopRequest | None, resumed: dict
 ) -> dict:
-    """The fit stage: batches, the step function, evaluation, checkpoints, the divergence guard and the hang
-    watchdog around the loop. resumed: the client state of the checkpoint resumed from. Every checkpoint records
-    the data offset (steps of data rollbacks skipped: step s trains on the batches of data step s + offset) and the
-    spike detector's window, so that a resumed run continues exactly."""
+    """The fit stage: the Trainer (train/trainer.py) with this run's batches, step parts, evaluator, checkpointer,
+    divergence guard, stop request and hang watchdog. resumed: the client state of the checkpoint resumed from; its
+    data offset and spike detector's window continue here, so that a resumed run continues exactly."""
     cfg, layout, state, b = run.cfg, run.layout, run.ranks.state, run.batch
-    dp_rank, sp_rank = state.get_data_parallel_rank(), state.get_sequence_parallel_rank()
-    cursor = {"offset": int(resumed.get("data_offset", 0))}
-
-    def sharded_batch(step: int, micro_step: int) -> dict:  # at the length in force (data/curriculum.py)
-        first = (step + cursor["offset"]) * b.global_batch
-        length, indices = plan.curriculum.indices(step, first, micro_step, dp_rank, layout.data_parallel, b.micro)
-        return shard_batch(data.train_batch(indices, length), sp_rank, layout.sequence, run.sp_loss_factor)
-
-    batches = Prefetcher(sharded_batch, b.grad_accum, plan.stop_at)  # built ahead, in order (train/prefetch.py)
-    tokens = TokenCounter(batches)  # counts real (loss-carrying) tokens of the batches trained, for the metrics rows
-    watchdog = Watchdog(cfg.train.hang_timeout_s, run.ranks.rank, cfg.log.run_dir)  # exits on a hang
-
-    def run_eval() -> dict:
-        with watchdog.paused(), batches.lock:  # the prefetch thread reads the same data
-            return assembly.evaluate_heldout(run, data)
-
+    windows = GenomeBatches(
+        data,
+        plan.curriculum,
+        b.global_batch,
+        b.micro,
+        state.get_data_parallel_rank(),
+        layout.data_parallel,
+        state.get_sequence_parallel_rank(),
+        layout.sequence,
+        run.sp_loss_factor,
+        offset=int(resumed.get("data_offset", 0)),
+    )
     guard = Guard(cfg.train, ds.all_reduce_sum, plan.loss_shards / plan.world_size, run.engine.fp16_enabled())
     guard.restore(resumed.get("spike_window"))
     guard_optimizer(run.engine)
-
-    def save(step: int) -> None:
-        with watchdog.paused():
-            _save(run, step, cursor["offset"], list(guard.window), plan.tokens_at(step))
-
-    def rollback(bad_step: int) -> int | None:
-        with watchdog.paused():
-            batches.reset()  # what was built ahead read the data cursor the rollback moves
-            return _rollback(run, bad_step, cursor, guard)
-
-    before_update = guard.before_update if cfg.train.spike_sigmas > 0 and layout.pipeline == 1 else None
-    step_fn = train_step(run, tokens, run.to_device, plan, before_update)
-    watchdog.start()
+    trainer = Trainer(
+        run.engine,
+        windows,
+        b.grad_accum,
+        prefetch=True,  # built ahead, in order (train/prefetch.py)
+        **step_parts(run, plan),
+        plan=plan,
+        writer=writer,
+        reduce_sum=ds.all_reduce_sum,
+        evaluator=assembly.HeldOut(run, data),
+        checkpointer=Checkpoints(run),
+        guard=guard,
+        stop=stop,
+        watchdog=Watchdog(cfg.train.hang_timeout_s, run.ranks.rank, cfg.log.run_dir),  # exits on a hang
+        progress=cfg.log.progress,
+        sync_interval=cfg.train.sync_interval,
+    )
     try:
-        result = fit(
-            run.engine,
-            plan,
-            watchdog.wrap(step_fn),
-            run_eval,
-            save,
-            writer,
-            ds.all_reduce_sum,
-            cfg.log.progress,
-            tokens,
-            stop,
-            guard,
-            rollback,
-            cfg.train.sync_interval,
-        )
-        return {**result, "divergence": guard.summary()}
+        return {**trainer.fit(), "divergence": guard.summary()}
     finally:
-        batches.close()
-        watchdog.stop()
+        trainer.close()
         writer.close()  # flushes TensorBoard and finishes the W&B run, also on failure
 
 
-def _save(run: Run, step: int, offset: int, spike_window: list[float], tokens: int) -> None:
-    """A checkpoint of `step` (weights/checkpoint.py save: verified, on every rank) with the client state a resume
-    needs: the step and samples consumed, the layout and micro batch, the config keys and data fingerprint it is
-    checked against (resume_checks.py), the data offset, the spike detector's window (train/divergence.py) and the
-    cumulative tokens (LoopPlan.tokens_at: a resume at another context counts on from them)."""
-    cfg, b, fingerprint = run.cfg, run.batch, run.data_fingerprint
-    client = dict(step=step, samples_consumed=step * b.global_batch, config_hash=config_hash(cfg), tokens=tokens)
-    # group-aware data needs the micro-batch blocks; a resume with another optimizer is refused (resume_checks.py)
-    client.update(world_size=run.ranks.world_size, micro_batch=b.micro, train_optimizer=cfg.train.optimizer)
-    client.update(run_config=resume_record(cfg), data=fingerprint, data_offset=offset, spike_window=spike_window)
-    root = assembly.checkpoint_root(cfg)
-    keep, layout = cfg.checkpoint.keep_last, run.layout.record()
-    try:
-        checkpoint.save(run.engine, root, step, client, run.ranks.rank, keep, ds.barrier, layout, ds.all_gather_object)
-    except checkpoint.SaveError as e:  # every rank raises it: the partial step removed, older ones intact
-        raise TrainingStopped(str(e)) from e
-
-
-def _rollback(run: Run, bad_step: int, cursor: dict, guard: Guard) -> int | None:
-    """Reload the newest complete checkpoint before `bad_step` (every rank the same one) and move the data cursor past
-    the batches of the steps since it; returns its step, or None when there is none this engine can load: none yet,
-    or the run loads universal checkpoints (--checkpoint.universal, or a resize converted one), and its own are not
-    (train/divergence.py then skips or stops)."""
-    cfg = run.cfg
-    earlier = [p for s, p in checkpoint.complete_tags(assembly.checkpoint_root(cfg)) if s < bad_step]
-    path = checkpoint.agree_on_resume(earlier[-1] if earlier else None, ds.all_gather_object)
-    if path is None or cfg.checkpoint.universal:
-        return None
-    if checkpoint.resume_problems(path, run.layout.record(), False, run.batch.global_batch):
-        return None
-    client = assembly.load(run, path, restore_rng=checkpoint.rng_applies(path, run.layout.record()))
-    back_to = int(client["step"])
-    # Loop steps back_to+1..bad_step drew the data steps from back_to+1+offset on; the next one starts past them.
-    cursor["offset"] += bad_step - back_to
-    guard.restore(client.get("spike_window"))
-    return back_to
-
-
-def train_step(run: Run, tokens: TokenCounter, to_device, plan: LoopPlan, before_update=None):
-    """The StepFn of this run (train/loop.py): DeepSpeed's pipeline schedule with pipeline stages, else forward,
-    backward and step per micro batch (the loss a mean over the global batch). It measures the gradient norm where
-    DeepSpeed records none, and memory.json at this invocation's second step (or only one), with optimizer states."""
-    engine, layout = run.engine, run.layout
-    if ds.reports_grad_norm(engine):
-        norm = None
-    elif layout.pipeline > 1:
-        norm = lambda: pipeline.grad_norm(engine)  # noqa: E731
-    else:  # each gradient counted once under tensor parallelism (run.ranks.state is the engine's mpu)
-        norm = lambda: tensor_parallel.grad_norm(engine.module.parameters(), run.ranks.state)  # noqa: E731
-    memory_path = os.path.join(run.cfg.log.run_dir, MEMORY)
+def step_parts(run: Run, plan: LoopPlan) -> dict:
+    """How this run's step runs (train/trainer.py Trainer): DeepSpeed's pipeline schedule with pipeline stages, else
+    forward, backward and step per micro batch with the loss a mean over the global batch; the tensor-parallel
+    groups a gradient norm DeepSpeed does not record is summed over; memory.json at this invocation's second step (or
+    only one), with optimizer states."""
+    layout = run.layout
     at = min(plan.start_step + 1, plan.stop_at - 1)
-    probe = memory_probe(
-        engine, memory_path, at, run.ranks.rank, run.rank_parameters, layout.data_parallel, run.ds_config
+    memory = MemoryProbe(
+        run.engine,
+        os.path.join(run.cfg.log.run_dir, MEMORY),
+        at,
+        run.ranks.rank,
+        run.rank_parameters,
+        layout.data_parallel,
+        run.ds_config,
     )
-    if layout.pipeline > 1:
-        return pipeline.train_step(engine, tokens, to_device, run.batch.grad_accum, grad_norm=norm, on_gradients=probe)
+    if layout.pipeline > 1:  # DeepSpeed's schedule computes the losses: each micro batch keeps its own mean
+        return dict(pipelined=True, memory=memory)
     dp_group = run.ranks.state.groups.get("dp")  # the replicas: a step's loss is the mean over all their targets
-    mean = step_denominators(run.ranks.device, layout.data_parallel, dp_group, run.sp_loss_factor)
-    return loop.forward_backward_step(engine, tokens, to_device, run.batch.grad_accum, norm, probe, before_update, mean)
+    mean = LossMean(run.ranks.device, layout.data_parallel, dp_group, run.sp_loss_factor)
+    return dict(loss_mean=mean, parallel_state=run.ranks.state, memory=memory)
+
+
+@dataclass
+class Checkpoints:
+    """The Trainer's checkpointer of a pretraining run (weights/checkpoint.py underneath)."""
+
+    run: Run
+
+    def save(self, step: int, state: dict) -> None:
+        """A checkpoint of `step` (checkpoint.save: verified, on every rank) with the client state a resume needs:
+        the step and samples consumed, the layout and micro batch, the config keys and data fingerprint it is checked
+        against (resume_checks.py), and the Trainer's state (its data offset, spike window and cumulative tokens)."""
+        run = self.run
+        cfg, b, fingerprint = run.cfg, run.batch, run.data_fingerprint
+        client = dict(step=step, samples_consumed=step * b.global_batch, config_hash=config_hash(cfg))
+        # group-aware data needs the micro-batch blocks; a resume with another optimizer is refused (resume_checks.py)
+        client.update(world_size=run.ranks.world_size, micro_batch=b.micro, train_optimizer=cfg.train.optimizer)
+        client.update(run_config=resume_record(cfg), data=fingerprint, **state)
+        root = assembly.checkpoint_root(cfg)
+        keep, layout = cfg.checkpoint.keep_last, run.layout.record()
+        try:
+            checkpoint.save(
+                run.engine, root, step, client, run.ranks.rank, keep, ds.barrier, layout, ds.all_gather_object
+            )
+        except checkpoint.SaveError as e:  # every rank raises it: the partial step removed, older ones intact
+            raise TrainingStopped(str(e)) from e
+
+    def load_before(self, bad_step: int) -> dict | None:
+        """Load the newest complete checkpoint before `bad_step` (every rank the same one) and return its client
+        state; None when there is none this engine can load: none yet, or the run loads universal checkpoints
+        (--checkpoint.universal, or a resize converted one), and its own are not."""
+        run = self.run
+        cfg = run.cfg
+        earlier = [p for s, p in checkpoint.complete_tags(assembly.checkpoint_root(cfg)) if s < bad_step]
+        path = checkpoint.agree_on_resume(earlier[-1] if earlier else None, ds.all_gather_object)
+        if path is None or cfg.checkpoint.universal:
+            return None
+        if checkpoint.resume_problems(path, run.layout.record(), False, run.batch.global_batch):
+            return None
+        return assembly.load(run, path, restore_rng=checkpoint.rng_applies(path, run.layout.record()))
 
 
 def _loop_plan(run: Run, start_step: int, peak: tuple[float, str]) -> LoopPlan:
@@ -455,4 +437,4 @@ def _write_groups(run: Run, data: GenomeData) -> None:
         write_json(path, {"assigned_by_rank": assigned, "trained_by_rank": seen})
 
 
-__all__ = ["TrainingStopped", "dry_run", "run", "train_step"]
+__all__ = ["TrainingStopped", "dry_run", "run", "step_parts"]

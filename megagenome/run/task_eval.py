@@ -42,6 +42,10 @@ class Evaluator:
         ordered = sorted((pair for part in ds.all_gather_object(mine) for pair in part), key=lambda pair: pair[0])
         return [o for _, o in ordered]
 
+    def evaluate(self) -> dict:
+        """The validation metrics (with "loss"): the fine-tuning loop's evaluation (train/task_loop.py)."""
+        return self.metrics("validation")[0]
+
     def metrics(self, split: str) -> tuple[dict, list[np.ndarray]]:
         outputs = self.outputs(split)
         return score(self.data.task, self.data.splits[split], outputs, self.scale[1]), outputs

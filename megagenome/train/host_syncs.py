@@ -3,7 +3,7 @@
 A training step that never waits for the device lets the host run ahead and queue the next kernels while the
 current ones run; each `.item()`, `float(t)`, `bool(t)`, `.tolist()`, device->host copy or copy from pageable
 memory to the device makes it wait (PyTorch's CUDA semantics notes, "Asynchronous execution"). The loop
-(train/loop.py) keeps them to its sync points; tests/test_host_syncs.py and the CPU benchmark check that with
+(train/trainer.py) keeps them to its sync points; tests/test_host_syncs.py and the CPU benchmark check that with
 count_host_syncs(), which records each one with the Python line that caused it, as a steady-state step would on
 the GPU, also when it runs on the CPU (where nothing actually waits).
 

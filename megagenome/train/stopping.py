@@ -172,16 +172,6 @@ class StopRequest:
         reason = self.got.get(kind) or _elsewhere(kind, self.name)
         return Stop(kind, _EXIT[kind], save=kind == CHECKPOINT or total[_LATE] == 0, reason=reason)
 
-    def timed(self, save: Callable[[int], None]) -> Callable[[int], None]:
-        """save(step), recording how long it took (the grace period's estimate of the next one)."""
-
-        def run(step: int) -> None:
-            started = time.monotonic()
-            save(step)
-            self.last_save_s = time.monotonic() - started
-
-        return run
-
     def close(self) -> None:
         """Restore the previous handlers and stop the watch thread (and so the deadline)."""
         for signum, previous in self._previous.items():

@@ -1,19 +1,18 @@
 """The fine-tuning loop (layer L3): step, log, evaluate, stop early, checkpoint.
 
-Like train/loop.py it talks to the DeepSpeed engine through `engine(**batch)`, backward and step (DeepSpeed applies
-the update at the accumulation boundary, so a step is grad_accum micro steps) and gets batches, evaluation, the
-collective sum and checkpoint saving as callables. Every --train.eval_interval steps and at the last step it
-evaluates the validation set, updates the early-stopping state and saves a checkpoint with that state in it (so a
-resumed run stops where the uninterrupted one would); after --train.patience evaluations in a row without
-improvement every rank stops after the same step (the metric is computed from outputs gathered on every rank, so
-each rank takes the same decision without another collective).
+Each step is the Trainer's (train/trainer.py Trainer.step, the one pretraining runs: `engine(**batch)`, backward
+and step per micro batch, DeepSpeed applying the update at the accumulation boundary); the Trainer also holds the
+evaluator, the checkpointer, the metrics writer and the collective sum. Every --train.eval_interval steps and at the
+last step it evaluates the validation set, updates the early-stopping state and saves a checkpoint with that state
+in it (so a resumed run stops where the uninterrupted one would); after --train.patience evaluations in a row
+without improvement every rank stops after the same step (the metric is computed from outputs gathered on every
+rank, so each rank takes the same decision without another collective).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 LOSS_TIE_MARGIN = 1e-3  # a loss lower by 0.1% breaks a tie on the metric (EarlyStopping)
@@ -94,55 +93,43 @@ class TaskResult:
     rows: list[dict] = field(default_factory=list)  # the validation rows of this invocation
 
 
-def fit_task(
-    engine,
-    train_batch: Callable[[int, int], dict],
-    to_device: Callable[[dict], dict],
-    evaluate: Callable[[], dict],
-    save: Callable[[int, EarlyStopping], None],
-    reduce_sum: Callable[[list[float]], list[float]],
-    write: Callable[[dict], None],
-    stopping: EarlyStopping,
-    plan: TaskPlan,
-) -> TaskResult:
-    """Train steps start_step+1 .. stop_at (module docstring). Returns the last step trained and whether early
-    stopping ended the run. `evaluate()` returns the validation metrics (with "loss"); `save(step, stopping)` writes a
-    checkpoint; `write(row)` appends a metrics row (rank 0 writes)."""
+def fit_task(trainer, stopping: EarlyStopping, plan: TaskPlan) -> TaskResult:
+    """Train steps start_step+1 .. stop_at (module docstring) with the Trainer's step (train/trainer.py). Returns the
+    last step trained and whether early stopping ended the run. The Trainer's evaluator gives the validation
+    metrics (with "loss"), its checkpointer saves a step with the early-stopping state, its writer appends the rows
+    (rank 0 writes)."""
     result = TaskResult(plan.start_step, stopping.exhausted)
     if result.stopped_early:
         return result  # a resumed run whose early stopping had already ended it
     bar = _progress(plan)
     window_loss, window_steps, window_start = 0.0, 0, time.time()
     for step in range(plan.start_step + 1, plan.stop_at + 1):
-        engine.train()
-        loss = 0.0
-        for micro in range(plan.grad_accum):
-            out = engine(**to_device(train_batch(step - 1, micro)))
-            engine.backward(out[0])
-            engine.step()
-            loss += float(out[0].detach()) / plan.grad_accum
-        window_loss, window_steps = window_loss + loss, window_steps + 1
+        loss, own_norm = trainer.step(step - 1)
+        window_loss, window_steps = window_loss + float(loss), window_steps + 1
         result.last_step = step
         if bar is not None:
             bar.update(1)
         if step % plan.log_interval == 0 or step == plan.stop_at:
-            total, seconds = reduce_sum([window_loss])[0], time.time() - window_start
-            row = {"step": step, "loss": total / (plan.world_size * window_steps), "lr": _lr(engine)}
-            row.update(grad_norm=_grad_norm(engine), examples_per_s=window_steps * plan.global_batch / seconds)
-            write(row)
+            total, seconds = trainer.reduce_sum([window_loss])[0], time.time() - window_start
+            row = {"step": step, "loss": total / (plan.world_size * window_steps), "lr": _lr(trainer.engine)}
+            row.update(
+                grad_norm=_grad_norm(trainer.engine, own_norm),
+                examples_per_s=window_steps * plan.global_batch / seconds,
+            )
+            trainer.writer.write(row)
             if bar is not None:
                 bar.set_postfix(loss=f"{row['loss']:.4f}")
             window_loss, window_steps, window_start = 0.0, 0, time.time()
         if step % plan.eval_interval and step != plan.max_steps:
             if step == plan.stop_at:  # the invocation ends between evaluations: a checkpoint, no evaluation
-                save(step, stopping)
+                trainer.checkpointer.save(step, stopping)
             continue
-        metrics = evaluate()
+        metrics = trainer.evaluator.evaluate()
         improved = stopping.update(step, metrics.get(stopping.metric), metrics.get("loss"))
         row = {"step": step, "split": "validation", **metrics, "best": improved}
-        write(row)
+        trainer.writer.write(row)
         result.rows.append(row)
-        save(step, stopping)
+        trainer.checkpointer.save(step, stopping)
         window_start = time.time()  # evaluation and saving are not training throughput
         if stopping.exhausted:
             result.stopped_early = True
@@ -164,8 +151,9 @@ def _lr(engine) -> float:
     return float(engine.get_lr()[0])
 
 
-def _grad_norm(engine) -> float | None:
-    norm = getattr(engine, "get_global_grad_norm", lambda: None)()
+def _grad_norm(engine, own: float | None) -> float | None:
+    """The step's gradient norm (the Trainer's where DeepSpeed records none), None when not finite."""
+    norm = own if own is not None else getattr(engine, "get_global_grad_norm", lambda: None)()
     if norm is None:
         return None
     norm = float(norm)

@@ -15,6 +15,7 @@ import time
 
 from megagenome.config.load import load_config
 from megagenome.run import pretrain
+from megagenome.train.trainer import Trainer
 
 
 def stuck_forever() -> None:
@@ -30,19 +31,14 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=None)  # appended by the deepspeed launcher
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    original = pretrain.train_step
+    original = Trainer.step
 
-    def train_step(*a, **k):
-        step_fn = original(*a, **k)
+    def step(self, index: int):
+        if rank == args.hang_rank and index == args.hang_step:
+            stuck_forever()
+        return original(self, index)
 
-        def step(index: int):
-            if rank == args.hang_rank and index == args.hang_step:
-                stuck_forever()
-            return step_fn(index)
-
-        return step
-
-    pretrain.train_step = train_step  # the run's step function, as pretrain._fit looks it up
+    Trainer.step = step  # the run's step
     pretrain.run(load_config(args.config), [args.config])
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from megagenome.train.loop import LoopPlan, TokenCounter, forward_backward_step
+from megagenome.train.accounting import LoopPlan
+from megagenome.train.trainer import Trainer
 
 
 class StandInEngine:
@@ -72,7 +73,39 @@ def plan(max_steps=5, log_interval=1, stop_signal=None):
     )
 
 
-def step_of(engine, train_batch=lambda step, micro: {}) -> tuple:
-    """(the loop's step function over `engine`, the TokenCounter it draws train_batch's batches from)."""
-    tokens = TokenCounter(train_batch)
-    return forward_backward_step(engine, tokens, lambda batch: batch, 1), tokens
+class Batches:
+    """A stand-in run's batches: batch(step, micro_step) -> fn(step, micro_step), with the data offset a rollback
+    moves (train/trainer.py GenomeBatches has one)."""
+
+    def __init__(self, fn=lambda step, micro: {}):
+        self.fn, self.offset = fn, 0
+
+    def __call__(self, step: int, micro_step: int) -> dict:
+        return self.fn(step, micro_step)
+
+
+class Hooks:
+    """The evaluator and checkpointer of a stand-in run: evaluate() returns evaluate(), save(step, state) calls
+    save(step), load_before(step) is rollback(step)'s step (None: no checkpoint to roll back to)."""
+
+    def __init__(self, evaluate=dict, save=lambda step: None, rollback=None):
+        self._evaluate, self._save, self._rollback = evaluate, save, rollback
+
+    def evaluate(self) -> dict:
+        return self._evaluate()
+
+    def save(self, step: int, state: dict) -> None:
+        self._save(step)
+
+    def load_before(self, step: int) -> dict | None:
+        back_to = None if self._rollback is None else self._rollback(step)
+        return None if back_to is None else {"step": back_to}
+
+
+def trainer(engine, the_plan, batch=lambda step, micro: {}, evaluate=dict, save=lambda step: None, rollback=None,
+            writer=None, reduce_sum=lambda values: values, **parts) -> Trainer:  # fmt: skip
+    """A Trainer over a stand-in engine (one micro batch a step, batch(step, micro) its batches): evaluate() the
+    held-out row, save(step) each checkpoint, rollback(bad step) -> the step rolled back to or None."""
+    hooks = Hooks(evaluate, save, rollback)
+    return Trainer(engine, Batches(batch), 1, plan=the_plan, writer=writer, reduce_sum=reduce_sum, evaluator=hooks,
+                   checkpointer=hooks, **parts)  # fmt: skip
