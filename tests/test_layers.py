@@ -88,7 +88,7 @@ def modules():
 
 
 def imported(tree, package: str):
-    """Every module name `tree` imports, relative imports resolved against `package` ("train" for train/loop.py)."""
+    """Every module name `tree` imports, relative imports resolved against `package` ("train" for train/trainer.py)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)

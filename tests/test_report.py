@@ -25,7 +25,7 @@ BASELINES = {str(k): 2.0 - 0.01 * k if k < 4 else 1.9 + 0.02 * k for k in range(
 
 
 def train_row(step: int, loss: float, mfu: bool = True, memory: bool = True) -> dict:
-    """A training row with the keys and types of train/loop.py's rows."""
+    """A training row with the keys and types of train/accounting.py train_row's rows."""
     row = {"step": step, "tokens": step * 256, "loss": loss, "lr": 1e-3 * min(step, 4) / 4, "grad_norm": 1.5}
     row.update(tokens_per_s=1000.0 + step, tflops_per_gpu=0.002, peak_tflops=0.1 if mfu else None)
     row.update(mfu=0.02 if mfu else None, hfu=0.025 if mfu else None, peak_source="measured-cpu-matmul")

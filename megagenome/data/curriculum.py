@@ -107,7 +107,7 @@ class Curriculum:
     ) -> list[float]:
         """For each weight per_token(length) gives: the sum over steps [first, stop) of the step's tokens x that
         weight at the step's length. With the FLOP counts per token at a length (which grow with it) as weights:
-        the FLOPs of those steps, for a logging window's TFLOP/s and MFU (train/loop.py)."""
+        the FLOPs of those steps, for a logging window's TFLOP/s and MFU (train/accounting.py)."""
         totals: list[float] = []
         for stage, n in self.spans(first, stop):
             tokens = n * global_batch * stage.k * stage.length

@@ -21,7 +21,7 @@ The scheme, and where each piece lives:
   over data-parallel replicas: exactly the gradient of the non-parallel objective. ZeRO-3's reduce-scatter
   divides by sp x dp instead, so there each chunk's loss is scaled by sp (`loss_factor`, from
   engine/engine.py `sequence_parallel_grad_factor`); ZeRO-3 parameters are partitioned over sp x dp too.
-- Logging (train/loop.py): a step's loss is summed over the sp ranks of a replica before averaging over
+- Logging (train/accounting.py train_row): a step's loss is summed over the sp ranks of a replica before averaging over
   replicas (LoopPlan.loss_shards; 1 where the chunk losses are scaled by sp). Evaluation sums nll and weight
   over all ranks, which already covers every chunk once, so bits/base is that of the whole windows.
 

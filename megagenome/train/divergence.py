@@ -12,7 +12,7 @@ A step is bad when
 A bad step never updates the weights. DeepSpeed discards a step whose gradients are not finite: its ZeRO
 optimizers and its bf16 and fp16 optimizers check for that (`guard_optimizer` switches the check on where it is
 off by default: ZeRO 1-3 in bf16, and wraps a plain torch optimizer at ZeRO stage 0, which has no check). A spike
-is found from the step's loss before the optimizer step (forward_backward_step's before_update): the last micro
+is found from the step's loss before the optimizer step (Trainer.step, train/trainer.py): the last micro
 batch's backward then gets a NaN-scaled loss, so its gradients are not finite and DeepSpeed discards the update
 the same way. DeepSpeed's pipeline engine runs forward, backward and the optimizer step in one call, so under
 pipeline parallelism a spike is found after its update: skip is refused there for spikes (config checks), stop
@@ -28,12 +28,12 @@ Then, per --train.on_nonfinite / --train.on_spike:
                 for loss spikes; with no complete checkpoint yet, a discarded bad step is skipped, one whose update
                 was applied (a pipeline spike) stops the run
 
-When: the loop (train/loop.py) keeps each step's loss and gradient norm on the device and judges every step since
-the last sync point at the next one (--train.sync_interval; log, eval and checkpoint steps always are one), in
-step order, in the one all-reduce it makes there: a bad step is acted on a few steps later, with the same outcome
-(a rollback reloads the newest complete checkpoint before the FIRST bad step, and skips the batches up to it;
-a stop names it; skip logs each). With the spike detector on, every step is a sync point: before_update reads the
-step's loss back before the update (a host sync, only while the detector tests: once its window is full).
+When: the loop (train/trainer.py Trainer.fit) keeps each step's loss and gradient norm on the device and judges every
+step since the last sync point at the next one (--train.sync_interval; log, eval and checkpoint steps always are one),
+in step order, in the one all-reduce it makes there: a bad step is acted on a few steps later, with the same outcome (a
+rollback reloads the newest complete checkpoint before the FIRST bad step, and skips the batches up to it; a stop names
+it; skip logs each). With the spike detector on, every step is a sync point: before_update reads the step's loss back
+before the update (a host sync, only while the detector tests: once its window is full).
 
 Each bad step is a metrics.jsonl row with "split": "event" (event: skip, rollback or stop; reason; loss;
 grad_norm); more than --train.nonfinite_limit bad steps in one invocation stop the run (Diverged).

@@ -1,4 +1,4 @@
-"""Stopping a run on a signal, on every rank after the same step (layer L3; used by train/loop.py and pretrain.py).
+"""Stopping a run on a signal, on every rank after the same step (layer L3; used by train/trainer.py and pretrain.py).
 
 A StopRequest is made by pretrain.run at start-up (so that a signal during data indexing, engine build or a
 checkpoint load is not lost) and watches, until close():
@@ -16,7 +16,7 @@ checkpoint load is not lost) and watches, until close():
                             the launcher that started it
 
 A handler only records the signal and its time (no I/O, no collectives: it may run between any two bytecodes). At
-each sync point (train/loop.py: every --train.sync_interval steps, and at every log, eval and checkpoint step) fit()
+each sync point (train/trainer.py: every --train.sync_interval steps, and at every log, eval and checkpoint step) fit()
 puts vote() into the one reduce_sum it makes there, made by every rank at the same steps, and agree() reads whether
 any rank has something, which kind wins (SIGINT over SIGTERM over the checkpoint signal, so a Ctrl-C that
 also made DeepSpeed's launcher send SIGTERM reads as a Ctrl-C) and, for SIGTERM/SIGINT, whether every rank judges

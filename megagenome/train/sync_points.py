@@ -1,4 +1,4 @@
-"""The loop's sync points (layer L3; train/loop.py fit() uses them): where the host waits for the device, once.
+"""The loop's sync points (layer L3; train/trainer.py Trainer.fit uses them): where the host waits for the device, once.
 
 Between sync points a step returns its loss as a device tensor and nothing reads it back; fit() keeps each step's
 loss and gradient norm (Done). At a sync point (Cadence: every --train.sync_interval steps, fewer when steps are
