@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagenome.config import ModelConfig, RootConfig, TrainConfig, layer_kinds, validate
+from megagenome.config import ModelConfig, RootConfig, TrainConfig
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import family_of
+from megagenome.model import family_of, validate
 from megagenome.model.hyena import operators
+from megagenome.model.hyena.config import layer_kinds
 from megagenome.model.hyena.family import DNA_VOCAB_ROWS
 from megagenome.model.hyena.operators import ModalFilter, direct_conv, fft_conv
 from megagenome.model.layers import DenseLayers

@@ -39,13 +39,14 @@ from megagenome.after_training.evaluate import evaluate
 from megagenome.after_training.inference import load_model, next_base_log_probs
 from megagenome.after_training.quantize import load_int8, quantize_int8
 from megagenome.after_training.variant_scoring import run as score_variants
-from megagenome.config import ConfigError, ModelConfig, layer_kinds
+from megagenome.config import ConfigError, ModelConfig
 from megagenome.config.load import config_from_dict, load_config
 from megagenome.data.dataset import build_genome_data
 from megagenome.data.fasta import Genome
 from megagenome.data.tokenizer import VOCAB_SIZE, encode
 from megagenome.model import family_of
 from megagenome.model.hyena import STRIPED_HYENA
+from megagenome.model.hyena.config import layer_kinds
 from megagenome.model.hyena.operators import by_fft
 from megagenome.observe.metrics import read_metrics
 from megagenome.weights.load import build_model, init_from, read_export, read_weights, shard
@@ -409,6 +410,6 @@ def test_report_summarises_a_striped_hyena_run(runs, tmp_path):
     md = (tmp_path / "report" / "report.md").read_text()
     cfg = load_config(str(run_dir / "config.yaml")).model
     n = STRIPED_HYENA.parameter_counts(cfg, VOCAB_SIZE)[0]
-    assert f"| model | {n:,} parameters: striped_hyena ({cfg.layer_pattern}), 4 layers" in md
+    assert f"| model | {n:,} parameters: {STRIPED_HYENA.describe(cfg)}, windows of" in md  # the family's own line
     assert f"| held-out bits/base | {_logged_eval(run_dir)['bits_per_base']:.4f} (step {STEPS})" in md
     assert {"loss.png", "bits_per_base.png"} <= set(os.listdir(tmp_path / "report"))

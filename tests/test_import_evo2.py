@@ -218,8 +218,8 @@ def test_the_published_configs_map_to_the_shipped_ones(size):
     the 7B base), the shipped config the 8,192 bases both were trained at; `--model.init_from` lets them differ."""
     from dataclasses import asdict
 
-    from megagenome.config import layer_kinds
     from megagenome.model import PUBLISHED
+    from megagenome.model.hyena.config import layer_kinds
 
     published = yaml.safe_load((DATA / f"evo2-{size}-8k.yml").read_text())
     got = PUBLISHED["evo2"].model_config(published)

@@ -308,17 +308,23 @@ def family_internals_outside(rel: str, tree) -> list[str]:
     return found
 
 
-# The modules that may name a model's insides: each family's package and the block stack they share.
-FAMILY_MODULES = ("model/transformer", "model/hyena", "model/caduceus", "model/gpn", "model/stack", "model/hf_form")
+def family_modules() -> tuple[str, ...]:
+    """The modules that may name a model's insides: each registered family's folder (where its family object is
+    defined) and the block stack and Hugging Face helpers they share."""
+    from megagenome.model import FAMILIES
+
+    folders = {"/".join(type(f).__module__.split(".")[1:3]) for f in FAMILIES.values()}
+    return (*sorted(folders), "model/stack", "model/hf_form")
 
 
 def test_only_the_family_names_the_transformers_internals():
     """The model-family seam (docs/architecture.md): outside the families (model/transformer/, model/hyena/,
     model/caduceus/, model/gpn/ and what they share, model/stack.py and model/hf_form.py) nothing reads a model's
     blocks, attention, MLP, embedding or head, as attributes or as state-dict keys."""
-    bad = []
+    bad, inside = [], family_modules()
+    assert inside[:4] == ("model/caduceus", "model/gpn", "model/hyena", "model/transformer")  # found by registry
     for rel, _, tree in modules():
-        if not rel.startswith(FAMILY_MODULES):
+        if not rel.startswith(inside):
             bad += family_internals_outside(rel, tree)
     assert not bad, "\n".join(bad)
 
@@ -327,3 +333,41 @@ def test_the_internals_check_sees_attributes_and_keys():
     tree = ast.parse('"""model.blocks in prose"""\nx = model.blocks[0].attn\ny = state["blocks.0.mlp.w_up.weight"]\n')
     found = sorted(family_internals_outside("m", tree))
     assert found == ["m:2: .attn", "m:2: .blocks", "m:3: 'blocks.0.mlp.w_up.weight'"]
+
+
+def family_branches(rel: str, tree: ast.AST, names: set[str]) -> list[str]:
+    """Where module `rel` decides by a model family's name: a comparison of something named *family* with a family's
+    name (`m.family == "gpn"`, `family in ("hyena", ...)`), or a table keyed by family names (two or more)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            strings = {c.value for n in operands for c in ast.walk(n) if isinstance(c, ast.Constant)}
+            if strings & names and "family" in ast.unparse(node):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if len(keys & names) >= 2:
+                found.append(f"{rel}:{node.lineno}: a table keyed by family names {sorted(keys & names)}")
+    return found
+
+
+def test_no_family_branch_outside_the_model():
+    """A family's rules live in its folder (model/<family>/config.py and family.py): outside model/, no code branches
+    on a family's name; it asks the family (model/__init__.py validate, family_of)."""
+    from megagenome.model import FAMILIES
+
+    bad = []
+    for rel, _, tree in modules():
+        if not rel.startswith("model/"):
+            bad += family_branches(rel, tree, set(FAMILIES))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_family_branch_check_sees_comparisons_and_tables():
+    tree = ast.parse(
+        'if m.family == "gpn":\n    pass\nok = x == "gpn"\nw = {"hyena": 1, "gpn": 2}.get(m.family)\n'
+        'if cfg.model.family in ("hyena", "caduceus"):\n    pass\n'
+    )
+    found = family_branches("m", tree, {"gpn", "hyena", "caduceus"})
+    assert sorted(f.split(": ")[0] for f in found) == ["m:1", "m:4", "m:5"]

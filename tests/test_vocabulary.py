@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megagenome.config import ModelConfig, RootConfig, validate
+from megagenome.config import ModelConfig, RootConfig
 from megagenome.data import tokenizer
-from megagenome.model import family_of
+from megagenome.model import family_of, validate
 from megagenome.model.caduceus import rc
 from megagenome.model.vocabulary import MEGAGENOME_TOKENS, VOCABULARIES
 
@@ -127,7 +127,7 @@ def test_caduceus_stays_equivariant_over_a_published_table(mode):
 def test_refusals():
     mlm_bytes = RootConfig(model=replace(FAMILIES["gpn"], vocabulary="bytes"))
     assert any("--model.vocabulary bytes" in p for p in validate(mlm_bytes))
-    # An imported form's options where the family's blocks do not implement them (config/shapes.py).
+    # An imported form's options where the family's blocks do not implement them (ModelFamily.options).
     gpn_divide = RootConfig(model=replace(FAMILIES["gpn"], norm_form="divide", biases=["qkv"]))
     assert sum("only for --model.family" in p for p in validate(gpn_divide)) == 2
     no_decay = RootConfig(model=replace(FAMILIES["transformer"], mr_decay=False))

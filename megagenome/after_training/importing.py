@@ -30,7 +30,7 @@ import torch
 from megagenome.after_training.export import check_output, staged_export
 from megagenome.config.checks import model_problems
 from megagenome.data.tokenizer import VOCAB_SIZE
-from megagenome.model import PUBLISHED, family_of
+from megagenome.model import PUBLISHED, family_of, family_problems
 from megagenome.model.published import ImportRefused
 from megagenome.weights.load import DTYPES
 
@@ -71,7 +71,7 @@ def import_checkpoint(source: str, fmt: str, output: str, config_path: str | Non
     except ImportRefused as e:
         where = tokenizer_file if e.key == "tokenizer" and tokenizer_file else config_file
         raise ImportFailure(f"{where}: {e} (--format {fmt})") from e
-    problems = model_problems(model_cfg)
+    problems = model_problems(model_cfg) + family_problems(model_cfg)
     if problems:
         raise ImportFailure(
             f"{config_file}: maps to a model megagenome refuses (--format {fmt}): {'; '.join(problems)}"

@@ -4,7 +4,7 @@
                standard library only
 - manifest.py  the data manifest's SourceConfig / ManifestConfig (`megagenome prepare`); standard library only
 - record.py    what a checkpoint records of the config (resume_record, config_hash) and what a resume may change
-- shapes.py    what a model config implies (d_ff, the operator of each layer) and the Hyena families' checks
+- shapes.py    family-neutral shape rules: the default d_ff, the published options and their checks
 - checks.py    static validation of a config or a manifest: every problem at once, each naming its flag
 - load.py      YAML files + command-line flags -> RootConfig through jsonargparse (imported on demand: it is the
                one module here with a third-party import)
@@ -27,7 +27,7 @@ from megagenome.config.sections import (
     parse_region,
     to_dict,
 )
-from megagenome.config.shapes import LAYER_KINDS, d_ff, layer_kinds
+from megagenome.config.shapes import d_ff
 
 __all__ = [
     "CheckpointConfig",
@@ -43,9 +43,7 @@ __all__ = [
     "TrainConfig",
     "config_differences",
     "config_hash",
-    "LAYER_KINDS",
     "d_ff",
-    "layer_kinds",
     "parse_region",
     "resume_record",
     "signal_number",

@@ -23,7 +23,7 @@ from megagenome.config.sections import (
     TrainConfig,
     parse_region,
 )
-from megagenome.config.shapes import hyena_problems, layer_kinds
+from megagenome.config.shapes import form_problems
 
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -47,7 +47,6 @@ def validate(cfg: RootConfig) -> list[str]:
         + _checkpoint_problems(cfg.checkpoint, cfg.train)
         + _log_problems(cfg.log)
         + _distill_problems(cfg)
-        + _family_optimizer_problems(cfg)
         + _spike_problems(cfg)
         + _compile_problems(cfg)
     )
@@ -71,23 +70,6 @@ def _compile_problems(cfg: RootConfig) -> list[str]:
         for name, why in reasons.items()
         if getattr(p, name) > 1
     ]
-
-
-def _family_optimizer_problems(cfg: RootConfig) -> list[str]:
-    """Muon orthogonalises the update of every 2-D parameter DeepSpeed tags (2-D and not named embed or lm_head),
-    which for the Hyena families takes in their filters' taps and poles and for caduceus Mamba's A_log and conv taps,
-    per-channel vectors that are not linear maps; for gpn it would take in the head's transform but leave the 3-D
-    convolutions, the most of its weights, to AdamW."""
-    why = {
-        "caduceus": "Mamba's A_log and conv taps (2-D per-channel tensors, not matrices)",
-        "gpn": "the head's transform as a matrix but leave the dilated convolutions (3-D) to AdamW",
-    }.get(cfg.model.family, "the Hyena filters (2-D per-channel taps and poles, not matrices)")
-    if cfg.train.optimizer == "muon" and cfg.model.family != "transformer":
-        return [
-            f"--train.optimizer=muon with --model.family={cfg.model.family}: Muon's orthogonalised update would take "
-            f"in {why}; use adamw, lamb or adafactor"
-        ]
-    return []
 
 
 def _spike_problems(cfg: RootConfig) -> list[str]:
@@ -126,18 +108,14 @@ def _within_unit(pairs: list[tuple[str, float]]) -> list[str]:
 
 
 def model_problems(m: ModelConfig) -> list[str]:
-    """The model section's own problems (validate runs them with the rest; `megagenome import` on what it mapped)."""
+    """The model section's family-neutral problems (validate runs them with the rest; `megagenome import` on what it
+    mapped). A family's own keys are checked by its folder (model/__init__.py validate)."""
     problems = _positive(
         [("model.d_model", m.d_model), ("model.n_layer", m.n_layer), ("model.n_head", m.n_head)]
         + [("model.max_seq_len", m.max_seq_len)]
     )
-    if m.d_model > 0 and m.n_head > 0:
-        if m.d_model % m.n_head:
-            problems.append(f"--model.d_model={m.d_model} is not divisible by --model.n_head={m.n_head}")
-        elif (m.d_model // m.n_head) % 2 and "A" in layer_kinds(m):  # rotary attention layers (none in hyena)
-            problems.append(
-                f"head size --model.d_model/--model.n_head={m.d_model // m.n_head} must be even for rotary embeddings"
-            )
+    if m.d_model > 0 and m.n_head > 0 and m.d_model % m.n_head:
+        problems.append(f"--model.d_model={m.d_model} is not divisible by --model.n_head={m.n_head}")
     if m.attention == "fa3" and m.dropout > 0:
         problems.append(f"--model.attention=fa3 with --model.dropout={m.dropout}: FlashAttention-3 has no dropout")
     if m.checkpointing == "every_k" and not 0 < m.checkpoint_every <= max(m.n_layer, 1):
@@ -146,7 +124,7 @@ def model_problems(m: ModelConfig) -> list[str]:
         )
     if m.d_ff is not None and m.d_ff <= 0:
         problems.append(f"--model.d_ff={m.d_ff}: must be positive")
-    return problems + _within_unit([("model.dropout", m.dropout)]) + _rope_problems(m) + hyena_problems(m)
+    return problems + _within_unit([("model.dropout", m.dropout)]) + _rope_problems(m) + form_problems(m)
 
 
 def _rope_problems(m: ModelConfig) -> list[str]:

@@ -23,13 +23,13 @@ _REGION = re.compile(r"^(?P<contig>\S+):(?P<start>[0-9][0-9,]*)-(?P<end>[0-9][0-
 class ModelConfig:
     """The model: its family, shape and objective."""
 
-    family: Literal["transformer", "hyena", "striped_hyena", "caduceus", "gpn"] = "transformer"
-    """Model family (model/family.py; its implementation in model/<family>/): transformer, a LLaMA-style pre-norm
-    transformer with rotary embeddings and SwiGLU (clm or mlm); hyena, HyenaDNA's stack of Hyena operators (gated
-    long convolutions with an implicit filter, by FFT); striped_hyena, StripedHyena 2 as in Evo 2 (Hyena-SE, -MR,
+    family: str = "transformer"
+    """Model family (model/__init__.py FAMILIES; each in its folder model/<family>/): transformer, a LLaMA-style
+    pre-norm transformer with rotary embeddings and SwiGLU (clm or mlm); hyena, HyenaDNA's stack of Hyena operators
+    (gated long convolutions with an implicit filter, by FFT); striped_hyena, StripedHyena 2 as in Evo 2 (Hyena-SE, -MR,
     -LI and attention layers in the order --model.layer_pattern gives). model/hyena/ holds both Hyena families.
-    caduceus: Caduceus' BiMamba (a Mamba block over the sequence and over its reverse), reverse-complement
-    equivariant by --model.rc_equivariance (mlm); gpn: GPN's dilated convolutional masked LM (mlm)."""
+    caduceus: Caduceus' BiMamba (a Mamba block over the sequence and over its reverse), reverse-complement equivariant
+    by --model.rc_equivariance (mlm); gpn: GPN's dilated convolutional masked LM (mlm)."""
     layer_pattern: str = "SE MR LI A SE MR LI"
     """striped_hyena: the operator of each layer, in order, the pattern repeated to --model.n_layer layers (this
     default tiled over 25 layers is Evo 2 1B's layout): SE (Hyena with a short explicit filter, direct convolution),

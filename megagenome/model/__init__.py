@@ -8,6 +8,9 @@ the attention kernels (attention.py), the distillation loss (distill.py), the to
 published checkpoints' layouts (published.py; PUBLISHED holds them by `megagenome import --format` name).
 """
 
+from megagenome.config import ModelConfig, RootConfig
+from megagenome.config import validate as validate_config
+from megagenome.config.shapes import FAMILY_OPTIONS
 from megagenome.model.attention import attention_backend, attention_summary
 from megagenome.model.caduceus import CADUCEUS
 from megagenome.model.caduceus.published import CADUCEUS_FORMAT
@@ -29,6 +32,34 @@ PUBLISHED: dict[str, PublishedFormat] = {
 }
 
 
+def family_problems(m: ModelConfig) -> list[str]:
+    """The model section's family problems: an unknown --model.family, the family's own keys, and an optional key
+    (config/shapes.py FAMILY_OPTIONS) set on a family that does not read it, where it would do nothing."""
+    family = FAMILIES.get(m.family)
+    if family is None:
+        return [f"--model.family={m.family!r}: not one of {', '.join(FAMILIES)}"]
+    problems = family.config_problems(m)
+    for key, unset in FAMILY_OPTIONS.items():
+        value = getattr(m, key)
+        if value != unset and key not in family.options:
+            takers = [f.name for f in FAMILIES.values() if key in f.options]
+            problems.append(f"--model.{key}={value}: only for --model.family {' or '.join(takers)} (not {m.family})")
+    return problems
+
+
+def validate(cfg: RootConfig) -> list[str]:
+    """Every static problem of a run config: config/checks.py's family-neutral ones, then the family's
+    (family_problems), and an optimizer the family refuses (ModelFamily.muon_refusal)."""
+    problems = validate_config(cfg) + family_problems(cfg.model)
+    family = FAMILIES.get(cfg.model.family)
+    if cfg.train.optimizer == "muon" and family is not None and family.muon_refusal:
+        problems.append(
+            f"--train.optimizer=muon with --model.family={cfg.model.family}: Muon's orthogonalised update would take "
+            f"in {family.muon_refusal}; use adamw, lamb or adafactor"
+        )
+    return problems
+
+
 def family_of(cfg) -> ModelFamily:
     """The family of a ModelConfig (its --model.family)."""
     name = getattr(cfg, "family", "transformer")
@@ -45,4 +76,6 @@ __all__ = [
     "attention_backend",
     "attention_summary",
     "family_of",
+    "family_problems",
+    "validate",
 ]

@@ -31,6 +31,8 @@ consolidation, export, quantization and inference all ask the family. What it an
                                         a form with trust_remote_code also gives code_files(), the modeling and
                                         configuration files written into the export), or None when there is none
     describe(cfg)                       one line of the model's shape, for model cards and reports
+    config_problems(cfg), options,      its own keys' checks, the optional keys it reads, why it refuses Muon
+    muon_refusal                        (model/__init__.py validate runs them with config/checks.py's)
 
 The module build() returns (the LanguageModel protocol below) is what training, evaluation and inference call.
 """
@@ -143,6 +145,16 @@ class ModelFamily(ABC):
 
     name: str
     partition_dims: dict[str, int]
+    # The optional --model keys (config/shapes.py FAMILY_OPTIONS) this family's blocks read; set on another family,
+    # one is refused before launch (model/__init__.py validate).
+    options: frozenset[str] = frozenset()
+    # What Muon's orthogonalised update would wrongly take in for this family (its 2-D parameters that are not linear
+    # maps), refusing --train.optimizer muon; None: Muon applies.
+    muon_refusal: str | None = None
+
+    def config_problems(self, cfg: ModelConfig) -> list[str]:
+        """The family's own keys' problems (model/<family>/config.py), each naming its flag."""
+        return []
 
     @abstractmethod
     def build(self, cfg: ModelConfig, vocab_size: int, layers=None) -> nn.Module: ...

@@ -259,11 +259,8 @@ def _model_line(summary: dict, model: dict, data: dict) -> str:
         for k, label in (("n_layer", "layers"), ("d_model", "d_model"), ("n_head", "heads"))
         if model.get(k) is not None
     ]
-    if model.get("family", "transformer") != "transformer":  # a Hyena family: its name and its layer pattern
-        pattern = (
-            f" ({model['layer_pattern']})" if model["family"] == "striped_hyena" and model.get("layer_pattern") else ""
-        )
-        shape.insert(0, f"{model['family']}{pattern}")
+    if summary.get("model"):  # the family's own line (run/summary.py; older runs: the generic shape above)
+        shape = [summary["model"]]
     if data.get("seq_len"):
         shape.append(f"windows of {data['seq_len']} tokens")
     return size + (": " + ", ".join(shape) if shape else "")

@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from megagenome.config import ConfigError, RootConfig, config_differences, config_hash
-from megagenome.config import validate as validate_config
 from megagenome.config.load import load_config, locate
 from megagenome.data import fingerprint as data_fingerprint
 from megagenome.data import quick_checks
@@ -34,6 +33,7 @@ from megagenome.engine import ds_config, ds_final, optimizers, pipeline, schedul
 from megagenome.engine import engine as ds
 from megagenome.files.run_files import CHECKPOINTS, CONFIG
 from megagenome.model import family_of
+from megagenome.model import validate as validate_model_config
 from megagenome.model.distill import Teacher
 from megagenome.parallel.layout import BatchSizes, LayoutError, ParallelLayout
 from megagenome.parallel.sequence import shard_batch
@@ -66,7 +66,7 @@ def validate(
     each flag located in the YAML files that set it. data=False skips opening the genome; runtime=False skips what
     only the machine that trains can answer (whether DeepSpeed's async I/O op builds here: `--dry_run`, which
     imports no deepspeed, and checks DeepSpeed's JSON sections against engine/ds_schema.py's copy)."""
-    problems = locate(validate_config(cfg), config_files)
+    problems = locate(validate_model_config(cfg), config_files)  # the family's own checks included
     ds_json, ds_problems = _ds_json(cfg, config_files, runtime)
     problems += ds_problems
     try:

@@ -22,6 +22,7 @@ from megagenome.data import masked_baseline
 from megagenome.data.dataset import GenomeData
 from megagenome.data.markov import markov_bits_per_base
 from megagenome.files.run_files import SUMMARY
+from megagenome.model import family_of
 from megagenome.observe.metrics import read_metrics
 from megagenome.observe.record import write_json
 from megagenome.weights import checkpoint
@@ -61,6 +62,7 @@ def summarise(
     summary = {
         "run_dir": os.path.abspath(cfg.log.run_dir),
         "parameters": n_params,
+        "model": family_of(cfg.model).describe(cfg.model),  # the family's one line of its shape (the report's)
         "steps": train_rows[-1]["step"] if train_rows else 0,
         "max_steps": cfg.train.max_steps,
         "train_loss": train_rows[-1]["loss"] if train_rows else None,

@@ -107,13 +107,13 @@ def launch_problems(command: list[str]) -> list[str]:
 
 
 def pretrain_problems(args: list[str], data: bool = True) -> list[str]:
-    """Every problem of `megagenome pretrain ARGS` found without torch, a process group or DeepSpeed: the flags and
-    YAML files, the config's own checks and (data=True) the quick checks of its data files (data/quick_checks.py),
-    each with where it came from. The ranks check all of it again, with the parallel layout, the DeepSpeed JSON and
-    the whole genome (assembly.validate)."""
-    from megagenome.config import validate
+    """Every problem of `megagenome pretrain ARGS` found without a process group or DeepSpeed: the flags and YAML
+    files, the config's own checks and its model family's (megagenome.model validate), and (data=True) the quick
+    checks of its data files (data/quick_checks.py), each with where it came from. The ranks check all of it again,
+    with the parallel layout, the DeepSpeed JSON and the whole genome (assembly.validate)."""
     from megagenome.config.load import checked_run_config, locate
     from megagenome.data.quick_checks import data_problems
+    from megagenome.model import validate
 
     problems, cfg, files = checked_run_config(args)
     if problems:

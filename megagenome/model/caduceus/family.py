@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from megagenome.config import ModelConfig
+from megagenome.model.caduceus import config
 from megagenome.model.caduceus.costs import CaduceusShape
 from megagenome.model.caduceus.model import CaduceusLM
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
@@ -40,6 +41,7 @@ class CaduceusFamily(ModelFamily):
     """caduceus (the module docstring)."""
 
     name = "caduceus"
+    muon_refusal = "Mamba's A_log and conv taps (2-D per-channel tensors, not matrices)"
     # Which dimension tensor parallelism splits, by state-dict key suffix (mamba.py): the vocabulary rows of the
     # embedding and tied head, in_proj's rows (u and z of a rank's channels together), each direction's
     # per-channel tensors and dt_proj's rows, x_proj's and out_proj's input columns.
@@ -116,6 +118,9 @@ class CaduceusFamily(ModelFamily):
         from megagenome.model.caduceus.hf import CaduceusForm
 
         return CaduceusForm(cfg)
+
+    def config_problems(self, cfg: ModelConfig) -> list[str]:
+        return config.problems(cfg)
 
     def describe(self, cfg: ModelConfig) -> str:
         dt = cfg.dt_rank if cfg.dt_rank is not None else math.ceil(cfg.d_model / 16)

@@ -59,7 +59,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megagenome.config import ModelConfig, d_ff
+from megagenome.config import ModelConfig
+from megagenome.model.gpn.config import d_ff
 from megagenome.model.param_table import ParamTable
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.transformer.costs import LOSS_BYTES_PER_VOCAB, POLICIES

@@ -12,8 +12,10 @@ costs.py's GPNShape; INT8 export and LoRA take the blocks' linears.
 
 from __future__ import annotations
 
-from megagenome.config import ModelConfig, d_ff
+from megagenome.config import ModelConfig
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
+from megagenome.model.gpn import config
+from megagenome.model.gpn.config import d_ff
 from megagenome.model.gpn.costs import GPNShape, dilations, kernels, receptive_field
 from megagenome.model.gpn.model import GPNLM
 from megagenome.model.stack import padded_vocab_size
@@ -28,6 +30,7 @@ class GPNFamily(ModelFamily):
     """gpn (the module docstring)."""
 
     name = "gpn"
+    muon_refusal = "the head's transform as a matrix but leave the dilated convolutions (3-D) to AdamW"
     # Which dimension tensor parallelism splits, by state-dict key suffix: the convolution's and ffn_up's output
     # channels, conv_out's and ffn_down's input columns, the decoder's vocabulary rows.
     partition_dims = {
@@ -115,6 +118,9 @@ class GPNFamily(ModelFamily):
         from megagenome.model.gpn.hf import GPNForm
 
         return GPNForm(cfg)
+
+    def config_problems(self, cfg: ModelConfig) -> list[str]:
+        return config.problems(cfg)
 
     def describe(self, cfg: ModelConfig) -> str:
         field = receptive_field(kernels(cfg), dilations(cfg))

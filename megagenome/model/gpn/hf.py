@@ -17,7 +17,7 @@ import pathlib
 
 import torch
 
-from megagenome.config import d_ff
+from megagenome.model.gpn.config import d_ff
 from megagenome.model.gpn.costs import dilations, kernels
 from megagenome.model.hf_form import PREFIX, RemoteCodeForm, pad_rows
 from megagenome.model.stack import padded_vocab_size

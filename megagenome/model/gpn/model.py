@@ -13,7 +13,7 @@
               vocabulary rows); untied, as there is no embedding matrix to tie it to
 
 No linear, convolution or LayerNorm has a bias (GPN's bias=False default); GELU is the exact (erf) one. GPN's
-defaults: 25 blocks, d_model 512, d_ff 2048 (config/shapes.py d_ff: 4 x d_model for gpn), kernels 9 then 5,
+defaults: 25 blocks, d_model 512, d_ff 2048 (model/gpn/config.py d_ff: 4 x d_model), kernels 9 then 5,
 dilations 1, 2, 4, ..., 128 repeated (a receptive field of 1 + 8 + 4 x 765 = 3,069 bases: costs.py
 receptive_field). Initialisation is GPN's _init_weights: every linear N(0, init_std), every LayerNorm scale 1; the
 convolutions keep torch's default (Kaiming uniform), as GPN's do.
@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megagenome.config import ModelConfig, d_ff
+from megagenome.config import ModelConfig
 from megagenome.model.family import PipelineLayers
+from megagenome.model.gpn.config import d_ff
 from megagenome.model.gpn.costs import dilations, kernels
 from megagenome.model.layers import DenseLayers, init_normal_
 from megagenome.model.stack import BlockStack

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from megagenome.config import ModelConfig, d_ff
+from megagenome.config import ModelConfig
+from megagenome.model.gpn.config import d_ff
 from megagenome.model.published import ImportRefused, PublishedFormat, expect, require, take_all
 from megagenome.model.stack import padded_vocab_size
 from megagenome.model.vocabulary import VOCABULARIES

@@ -55,8 +55,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from megagenome.config import ModelConfig, d_ff, layer_kinds
+from megagenome.config import ModelConfig, d_ff
 from megagenome.model.hyena import activations
+from megagenome.model.hyena.config import layer_kinds
 from megagenome.model.hyena.operators import DIRECT_MAX_TAPS
 from megagenome.model.param_table import ParamTable
 from megagenome.model.stack import padded_vocab_size

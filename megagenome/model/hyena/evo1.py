@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from megagenome.config import ModelConfig, d_ff, layer_kinds
+from megagenome.config import ModelConfig, d_ff
+from megagenome.model.hyena.config import layer_kinds
 from megagenome.model.hyena.striped_layout import block_names, shape_of
 from megagenome.model.published import ImportRefused, PublishedFormat, Weights, expect, layers_by_index
 from megagenome.model.stack import padded_vocab_size

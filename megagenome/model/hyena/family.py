@@ -11,9 +11,11 @@ the linears of the blocks; the cost model is costs.py's.
 
 from __future__ import annotations
 
-from megagenome.config import ModelConfig, d_ff, layer_kinds
+from megagenome.config import ModelConfig, d_ff
 from megagenome.config.shapes import standard_form
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
+from megagenome.model.hyena import config
+from megagenome.model.hyena.config import layer_kinds
 from megagenome.model.hyena.model import HyenaLM
 from megagenome.model.hyena.operators import by_fft
 from megagenome.model.stack import padded_vocab_size
@@ -46,8 +48,18 @@ class HyenaFamily(ModelFamily):
         "filter.residues": 0,
     }
 
+    muon_refusal = "the Hyena filters (2-D per-channel taps and poles, not matrices)"
+
     def __init__(self, name: str):
         self.name = name
+        own = {
+            "hyena": ("filter_inner_layers", "filter_shared_sine", "filter_decay_shift"),
+            "striped_hyena": ("mr_decay",),
+        }
+        self.options = frozenset(("norm_form", "mlp_activation", "mlp_gated", "biases", *own[name]))
+
+    def config_problems(self, cfg: ModelConfig) -> list[str]:
+        return config.problems(cfg)
 
     def build(self, cfg: ModelConfig, vocab_size: int, layers=None) -> HyenaLM:
         return HyenaLM(cfg, vocab_size, layers)

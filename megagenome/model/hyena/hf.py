@@ -17,8 +17,9 @@ import pathlib
 
 import torch
 
-from megagenome.config import d_ff, layer_kinds
+from megagenome.config import d_ff
 from megagenome.model.hf_form import RemoteCodeForm
+from megagenome.model.hyena.config import layer_kinds
 from megagenome.model.transformer.blocks import rope_original_max_len
 from megagenome.model.transformer.hf import DTYPE_NAMES
 from megagenome.model.vocabulary import table_rows

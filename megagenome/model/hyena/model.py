@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megagenome.config import ModelConfig, layer_kinds
+from megagenome.config import ModelConfig
+from megagenome.model.hyena.config import layer_kinds
 from megagenome.model.hyena.decoding import HyenaCache, cached_forward
 from megagenome.model.hyena.operators import HyenaOperator
 from megagenome.model.layers import DenseLayers, RMSNorm, init_normal_

@@ -14,7 +14,7 @@ import torch
 from megagenome.config import ModelConfig, d_ff
 from megagenome.model.family import Divisible, ModelFamily, ParallelRules
 from megagenome.model.stack import padded_vocab_size
-from megagenome.model.transformer import flops
+from megagenome.model.transformer import config, flops
 from megagenome.model.transformer.costs import TransformerShape
 from megagenome.model.transformer.hf import LlamaForm, llama_expressible
 from megagenome.model.transformer.model import DNATransformer
@@ -23,6 +23,11 @@ from megagenome.model.vocabulary import table_rows
 
 class TransformerFamily(ModelFamily):
     name = "transformer"
+    options = frozenset(("norm_form", "mlp_activation", "mlp_gated", "biases", "n_kv_head"))
+
+    def config_problems(self, cfg: ModelConfig) -> list[str]:
+        return config.problems(cfg)
+
     # Which dimension of each sharded weight tensor parallelism splits (0: output rows, column-parallel; 1: input
     # columns, row-parallel), by state-dict key suffix: qkv, gate and up column-parallel, proj and down row-parallel,
     # the embedding and LM head by vocabulary rows.
