@@ -221,3 +221,17 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def describe(self, cfg: ModelConfig) -> str: ...
+
+
+def bidirectional_problems(cfg: ModelConfig, how: str) -> list[str]:
+    """A masked-LM-only family's two refusals: the causal objective (every position sees the bases after it: `how`
+    says why) and --model.compile (only transformer blocks are compiled)."""
+    problems = []
+    if cfg.objective != "mlm":
+        problems.append(
+            f"--model.objective={cfg.objective} with --model.family={cfg.family}: the model {how}, so every "
+            "position sees the bases after it; use --model.objective mlm"
+        )
+    if cfg.compile:
+        problems.append(f"--model.compile with --model.family={cfg.family}: only transformer blocks are compiled")
+    return problems

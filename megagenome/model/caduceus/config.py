@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megagenome.config import ModelConfig
+from megagenome.model.family import bidirectional_problems
 
 
 def problems(m: ModelConfig) -> list[str]:
@@ -12,11 +13,4 @@ def problems(m: ModelConfig) -> list[str]:
     problems = [f"--model.{k}={getattr(m, k)}: must be positive" for k in keys if getattr(m, k) <= 0]
     if m.dt_rank is not None and m.dt_rank <= 0:
         problems.append(f"--model.dt_rank={m.dt_rank}: must be positive (or unset: ceil(d_model / 16))")
-    if m.objective != "mlm":
-        problems.append(
-            f"--model.objective={m.objective} with --model.family=caduceus: the model runs Mamba over both "
-            "directions, so every position sees the bases after it; use --model.objective mlm"
-        )
-    if m.compile:
-        problems.append("--model.compile with --model.family=caduceus: only transformer blocks are compiled")
-    return problems
+    return problems + bidirectional_problems(m, "runs Mamba over both directions")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megagenome.config import ModelConfig
+from megagenome.model.family import bidirectional_problems
 
 
 def d_ff(m: ModelConfig) -> int:
@@ -15,11 +16,4 @@ def problems(m: ModelConfig) -> list[str]:
     keys = ("first_kernel_size", "kernel_size", "dilation_base", "dilation_cycle", "dilation_double_every")
     keys += ("dilation_max",)
     problems = [f"--model.{k}={getattr(m, k)}: must be positive" for k in keys if getattr(m, k) <= 0]
-    if m.objective != "mlm":
-        problems.append(
-            f"--model.objective={m.objective} with --model.family=gpn: the model convolves with centred kernels, "
-            "so every position sees the bases after it; use --model.objective mlm"
-        )
-    if m.compile:
-        problems.append("--model.compile with --model.family=gpn: only transformer blocks are compiled")
-    return problems
+    return problems + bidirectional_problems(m, "convolves with centred kernels")
