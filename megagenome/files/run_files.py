@@ -33,6 +33,7 @@ DS_CONFIG = "ds_config.json"
 ENV = "env.json"
 SPLIT = "split.json"
 MEMORY = "memory.json"
+GROUPS = "groups.json"  # which data groups each data-parallel rank trained on (group_aware prepared data)
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 RESTARTS = "restarts.jsonl"

@@ -32,7 +32,7 @@ from megagenome.engine import ds_config, ds_final
 from megagenome.engine import engine as ds
 from megagenome.engine.memory import MemoryProbe
 from megagenome.engine.watchdog import Watchdog
-from megagenome.files.run_files import CONFIG, DS_CONFIG, ENV, MEMORY, METRICS, SPLIT
+from megagenome.files.run_files import CONFIG, DS_CONFIG, ENV, GROUPS, MEMORY, METRICS, SPLIT
 from megagenome.model import attention_summary, family_of
 from megagenome.observe import console, dashboards
 from megagenome.observe.metrics import MetricsWriter, measure_matmul_tflops, resolve_peak
@@ -433,7 +433,7 @@ def _write_groups(run: Run, data: GenomeData) -> None:
     )
     if run.ranks.rank == 0:
         assigned = data.record["sampler"].get("groups_by_rank")
-        path = os.path.join(run.cfg.log.run_dir, "groups.json")
+        path = os.path.join(run.cfg.log.run_dir, GROUPS)
         write_json(path, {"assigned_by_rank": assigned, "trained_by_rank": seen})
 
 
