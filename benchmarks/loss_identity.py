@@ -4,8 +4,8 @@
     python benchmarks/loss_identity.py run --checkout . --out /tmp/identity/after
     python benchmarks/loss_identity.py compare /tmp/identity/before /tmp/identity/after
 
-`run` trains, in the given checkout (its own code: `git worktree add --detach /tmp/before <commit>` makes one, with
-this checkout's .venv linked into it), the first 60 steps of the default job (configs/tiny.yaml, 2 ranks through
+`run` trains, in the given checkout (its own code, on this interpreter: `git worktree add --detach /tmp/before
+<commit>` makes one), the first 60 steps of the default job (configs/tiny.yaml, 2 ranks through
 launch/local.sh) and of its transformer twin (configs/tiny_transformer.yaml), each straight through and stopped
 after step 30 then resumed, with a metrics row per step, evaluations and checkpoints at 30 and 60; then a fine-tune of
 --model (the default job's run directory) on a two-class task with gradient accumulation 2, a row per step and
@@ -25,6 +25,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import finetune_recipes  # noqa: E402  (builds the two-species task from the bundled genomes)
+import harness  # noqa: E402
 
 PRETRAIN = ("tiny", "tiny_transformer")
 ROWS = "--train.log_interval 1 --train.eval_interval 30 --checkpoint.interval 30 --log.progress false".split()
@@ -34,7 +35,7 @@ KEYS += ("skipped_steps", "loss_scale", "best")
 
 def run(checkout: str, out: str, model: str) -> None:
     os.makedirs(out, exist_ok=True)
-    env = {**os.environ, "PATH": os.path.join(checkout, ".venv", "bin") + os.pathsep + os.environ["PATH"]}
+    env = harness.child_env(PYTHONPATH=checkout)  # the checkout's code (each command also runs in it)
     for cfg in PRETRAIN:
         for name, stops in ((cfg, [60]), (f"{cfg}_resumed", [30, 60])):
             for stop in stops:
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="train the runs of one checkout")
     r.add_argument("--checkout", required=True)
     r.add_argument("--out", required=True)
-    r.add_argument("--model", default=os.path.join(os.path.dirname(HERE), "runs", "tiny"), help="fine-tuned model")
+    r.add_argument("--model", default=str(harness.REPO / "runs" / "tiny"), help="the model fine-tuned")
     c = sub.add_parser("compare", help="compare two checkouts' metrics")
     c.add_argument("before")
     c.add_argument("after")

@@ -26,7 +26,10 @@ import sys
 import tempfile
 import threading
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+REPO = str(harness.REPO)
 PACKAGE = os.path.join(REPO, "megagenome") + os.sep
 MEASURED = 5  # the step measured (1-based): steady state, no log, eval or checkpoint step
 STEP_THREADS = ("MainThread", "megagenome-prefetch")  # not megagenome-stop, megagenome-watchdog: watchers
