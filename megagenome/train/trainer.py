@@ -88,7 +88,7 @@ class GenomeBatches:
 class TokenCounter:
     """The positions of the batches trained that carry loss (loss_weight > 0), for the metrics rows.
 
-    The Trainer (train/trainer.py) adds each batch as its step takes it (after the prefetcher: only batches trained
+    The Trainer adds each batch as its step takes it (after the prefetcher: only batches trained
     count), before it is moved to the device: a comparison and a sum over (B, T) on the CPU, kept as a CPU tensor
     until take(), so no batch converts anything. take() reads and resets the count at every logged window. Batches
     without a loss_weight are not counted."""
@@ -114,9 +114,9 @@ class Trainer:
     """A run's training state and its step. Built once per run (run/pretrain.py, run/finetune.py):
 
     - engine: the DeepSpeed engine (or a pipeline engine: `pipelined`);
-    - batches: batch(step, micro_step) -> a dict of CPU tensors, a pure function of its arguments (the pretraining
-      windows of run/pretrain.py, fine-tuning's TrainBatches); with `prefetch`, served ahead (train/prefetch.py);
-      its `offset` (when it has one) is the data cursor a rollback moves;
+    - batches: batch(step, micro_step) -> a dict of CPU tensors, a pure function of its arguments (GenomeBatches
+      above for pretraining, data/task_batches.py TrainBatches for fine-tuning); with `prefetch`, served ahead
+      (train/prefetch.py); its `offset` (when it has one) is the data cursor a rollback moves;
     - grad_accum: micro batches per optimizer step on this rank;
     - loss_mean: the step's loss denominators (LossMean) or None;
     - parallel_state: the tensor-parallel groups the gradient norm is summed over, where DeepSpeed records none;
@@ -281,6 +281,7 @@ class Trainer:
         finally:
             if own_stop:
                 self.stop.close()
+                self.stop = None  # the next fit() watches afresh
             self.watchdog.stop()
             bar.close()
         return {"train": last_train, "eval": last_eval}
