@@ -197,10 +197,8 @@ def _run(p: Prepared, rank: int, world: int) -> dict:
     )
     keep_last = max(cfg.checkpoint.keep_last, cfg.train.patience + 1)
     saves = TaskCheckpoints(engine, cfg.log.run_dir, rank, keep_last, record["key"], metric)
-    reduce = ds.all_reduce_sum
-    trainer = Trainer(
-        engine, batches, batch.grad_accum, writer=writer, reduce_sum=reduce, evaluator=evaluator, checkpointer=saves
-    )
+    parts = dict(writer=writer, reduce_sum=ds.all_reduce_sum, evaluator=evaluator, checkpointer=saves)
+    trainer = Trainer(engine, batches, batch.grad_accum, **parts)  # its step, for train/task_loop.py fit_task
     t = cfg.train
     plan = TaskPlan(start, t.max_steps, t.stop_at or t.max_steps, batch.grad_accum, batch.global_batch,
                     t.eval_interval, t.log_interval, world, rank, cfg.log.progress)  # fmt: skip
