@@ -71,7 +71,7 @@ SEAMS = {
 
 
 def layer_of(rel: str) -> int:
-    """The layer of a module: its folder's ("train/loop" -> "train"), or its own for a top-level module."""
+    """The layer of a module: its folder's ("train/trainer" -> "train"), or its own for a top-level module."""
     folder = rel.split("/")[0]
     assert folder in LAYERS, f"module {rel} has no layer in tests/test_layers.py: add its folder"
     return LAYERS[folder]
