@@ -104,6 +104,7 @@ def fit_task(trainer, stopping: EarlyStopping, plan: TaskPlan) -> TaskResult:
     bar = _progress(plan)
     window_loss, window_steps, window_start = 0.0, 0, time.time()
     for step in range(plan.start_step + 1, plan.stop_at + 1):
+        trainer.engine.train()  # the evaluator leaves it in eval mode
         loss, own_norm = trainer.step(step - 1)
         window_loss, window_steps = window_loss + float(loss), window_steps + 1
         result.last_step = step

@@ -179,7 +179,6 @@ class Trainer:
         gradients are reduced and not yet cleared. A pipeline engine runs DeepSpeed's schedule instead, which pulls
         the micro batches it needs (first and last stage) and calls _gradients_done before its optimizer step."""
         self._step, self._norm = step, None
-        self.engine.train()
         if self.pipelined:
             micro_batches = (
                 pipeline.as_pipe_batch(self._on_device(self._batch(step, m))) for m in range(self.grad_accum)
@@ -240,6 +239,7 @@ class Trainer:
         every = 1 if self.guard is not None and self.guard.every_step else self.sync_interval
         cadence = Cadence(plan, every, self.stop.grace_s)
         step, pending, mark = plan.start_step, [], time.perf_counter()
+        self.engine.train()  # once: evaluate() puts the engine back in training mode
         self.watchdog.start()
         try:
             while step < plan.stop_at:
